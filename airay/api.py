@@ -1,0 +1,54 @@
+"""`airay.fit(config)`: run a job to the end on Ray and return its Result."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from airay.config import JobConfig
+from airay.controller import Controller, Result
+from airay.events import RunRecorder
+from airay.local_cluster import LocalCluster
+
+
+def resolve_run_dir(config: JobConfig) -> Path:
+    if config.run_dir:
+        return Path(config.run_dir)
+    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def fit(config: JobConfig, echo: bool = True) -> Result:
+    """Train `config` to max_steps, recovering from lost workers and nodes on the way.
+
+    Connects to `config.ray_address`, else RAY_ADDRESS, else the Ray already initialised in
+    this process, else starts one (or the local multi-node cluster of `config.cluster`).
+    Everything it starts (actors, placement groups, a local cluster) is released on return.
+    """
+    import ray
+
+    run_dir = resolve_run_dir(config)
+    recorder = RunRecorder(run_dir, echo=echo)
+    config = config.model_copy(update={"run_dir": str(run_dir)})
+    recorder.write_config(config.to_yaml())
+    local = None
+    started_ray = False
+    try:
+        if config.cluster is not None:
+            if ray.is_initialized():
+                raise RuntimeError("cluster.local_nodes starts its own Ray cluster; call ray.shutdown() first "
+                                   "or remove the cluster section to use the running Ray")
+            local = LocalCluster(config.cluster)
+            ray.init(address=local.address, logging_level="WARNING", log_to_driver=echo)
+            started_ray = True
+        elif not ray.is_initialized():
+            ray.init(address=config.ray_address or os.environ.get("RAY_ADDRESS") or None,
+                     logging_level="WARNING", log_to_driver=echo)
+            started_ray = True
+        return Controller(config, recorder, local).run()
+    finally:
+        recorder.close()
+        if started_ray:
+            ray.shutdown()
+        if local is not None:
+            local.shutdown()

@@ -1,0 +1,272 @@
+"""The job spec: one typed, documented source of configuration.
+
+Every field a user can get wrong is checked here, before Ray is touched, and the error
+names the field (as a dotted path) and what to do about it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from airay import policy
+
+
+class ConfigError(ValueError):
+    """A job spec the user must fix; the message names the field or file."""
+
+
+class _Spec(BaseModel):
+    # Unknown fields are errors: a typo must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def resolve_callable(dotted: str) -> Callable[..., Any]:
+    """Import `package.module:attr` (or `package.module.attr`) and return the attribute."""
+    module_name, sep, attr = dotted.partition(":")
+    if not sep:
+        module_name, _, attr = dotted.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"'{dotted}' is not a dotted path; write it as 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module '{module_name}' of '{dotted}': {exc}") from exc
+    try:
+        obj = getattr(module, attr)
+    except AttributeError as exc:
+        raise ValueError(f"module '{module_name}' has no attribute '{attr}' (from '{dotted}')") from exc
+    if not callable(obj):
+        raise ValueError(f"'{dotted}' is not callable")
+    return obj
+
+
+class CallableSpec(_Spec):
+    """A function named by dotted path plus the keyword arguments it is called with."""
+
+    factory: str = Field(description="'package.module:function' importable on every node")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("factory")
+    @classmethod
+    def _importable(cls, value: str) -> str:
+        resolve_callable(value)
+        return value
+
+
+class DataSpec(_Spec):
+    """Synthetic, deterministic per-sample data: sample `i` is `sample_fn(i, seed, **kwargs)`.
+
+    The sample set of global step N is ids [N*B, (N+1)*B) for global batch B, whatever the
+    world size, so a replayed step sees exactly the samples it saw the first time.
+    """
+
+    sample_fn: str = "airay.models.tiny_gpt:synthetic_sample"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+
+    @field_validator("sample_fn")
+    @classmethod
+    def _importable(cls, value: str) -> str:
+        resolve_callable(value)
+        return value
+
+
+class ScalingSpec(_Spec):
+    min_workers: int = Field(1, ge=1)
+    max_workers: int = Field(1, ge=1)
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="Ray resources of one worker's bundle; default {'GPU': 1} where the cluster "
+        "has GPUs, else {'CPU': 1}")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ScalingSpec":
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"min_workers ({self.min_workers}) > max_workers ({self.max_workers}); "
+                "set scaling.min_workers <= scaling.max_workers")
+        return self
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _positive(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("must name at least one resource, e.g. {CPU: 1}")
+            bad = {k: v for k, v in value.items() if v <= 0}
+            if bad:
+                raise ValueError(f"resource amounts must be > 0, got {bad}")
+        return value
+
+
+class CheckpointSpec(_Spec):
+    path: str | None = Field(None, description="directory shared by all nodes; default RUN_DIR/checkpoints")
+    every_n_steps: int = Field(10, ge=1)
+    keep_last: int = Field(3, ge=1, description="durable checkpoints kept; older ones are deleted")
+
+
+ChaosKind = Literal["kill_worker", "remove_node", "add_node"]
+
+
+class ChaosSpec(_Spec):
+    """A fault injected at a named point: the start of global step `at_step`."""
+
+    fault: ChaosKind
+    at_step: int = Field(ge=0)
+    rank: int = Field(0, ge=0, description="kill_worker: the rank that dies; remove_node: the node of this rank")
+
+
+class LocalClusterSpec(_Spec):
+    """Start real raylets on this machine (ray.cluster_utils.Cluster) instead of connecting."""
+
+    local_nodes: int = Field(ge=1)
+    cpus_per_node: float = Field(1, gt=0)
+    gpus_per_node: float = Field(0, ge=0, description="logical GPUs, to try the GPU scheduling path")
+    object_store_memory: int = Field(100 * 1024**2, ge=75 * 1024**2)
+
+
+class TimeoutSpec(_Spec):
+    capacity_wait_s: float = Field(60, gt=0, description="how long to wait for min_workers to fit")
+    collective_timeout_s: float = Field(120, gt=0, description="no rank blocks longer in a collective")
+    survivor_drain_s: float = Field(30, gt=0, description="after a loss, wait this long for survivors to stop")
+    grow_check_every_n_steps: int = Field(1, ge=1, description="how often to look for new capacity")
+
+
+class JobConfig(_Spec):
+    """A training job: model, data, DeepSpeed, batch, scaling, checkpoints and faults."""
+
+    name: str = "airay-job"
+    model: CallableSpec
+    loss_fn: str = Field(description="'module:function' with signature (model, batch) -> scalar mean loss")
+    data: DataSpec = Field(default_factory=DataSpec)
+    deepspeed: dict[str, Any] | str = Field(
+        default_factory=lambda: {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+        description="DeepSpeed config, inline or a JSON file path; airay sets the batch fields")
+    global_batch_size: int = Field(ge=1)
+    micro_batch_size: int = Field(ge=1, description="largest micro-batch one worker may take")
+    max_steps: int = Field(ge=1)
+    seed: int = 0
+    max_failures: int = Field(20, ge=0, description="failures tolerated before the run fails")
+    steps_per_round: int = Field(5, ge=1, description="steps a worker runs per driver call")
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    chaos: list[ChaosSpec] = Field(default_factory=list)
+    ray_address: str | None = Field(None, description="default: RAY_ADDRESS, else a new local Ray")
+    cluster: LocalClusterSpec | None = None
+    timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
+    run_dir: str | None = Field(None, description="default: ./runs/NAME-TIMESTAMP")
+
+    @field_validator("loss_fn")
+    @classmethod
+    def _loss_importable(cls, value: str) -> str:
+        resolve_callable(value)
+        return value
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed_config(cls, value: dict[str, Any] | str) -> dict[str, Any]:
+        if isinstance(value, str):
+            path = Path(value)
+            if not path.is_file():
+                raise ValueError(f"DeepSpeed config file '{value}' does not exist; give a JSON file or an inline mapping")
+            try:
+                value = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"DeepSpeed config file '{value}' is not valid JSON: {exc}") from exc
+        owned = sorted(k for k in policy.DEEPSPEED_BATCH_KEYS if k in value)
+        if owned:
+            raise ValueError(
+                f"remove {owned}: airay sets them from global_batch_size and micro_batch_size "
+                "for each world size")
+        stage = value.get("zero_optimization", {}).get("stage", 0)
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _plans_and_chaos(self) -> "JobConfig":
+        try:
+            policy.batch_plans(self.global_batch_size, self.micro_batch_size,
+                               self.scaling.min_workers, self.scaling.max_workers)
+        except policy.PolicyError as exc:
+            raise ValueError(str(exc)) from exc
+        for i, fault in enumerate(self.chaos):
+            if fault.fault in ("remove_node", "add_node") and self.cluster is None:
+                raise ValueError(
+                    f"chaos[{i}] ({fault.fault}) needs a local cluster: set cluster.local_nodes")
+            if fault.at_step >= self.max_steps:
+                raise ValueError(f"chaos[{i}].at_step ({fault.at_step}) must be < max_steps ({self.max_steps})")
+            if fault.rank >= self.scaling.max_workers:
+                raise ValueError(f"chaos[{i}].rank ({fault.rank}) must be < scaling.max_workers")
+        return self
+
+    # ---- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "job spec") -> "JobConfig":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, source)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> "JobConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"job spec file '{path}' does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"job spec file '{path}' is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"job spec file '{path}' must hold a mapping at the top level")
+        # A relative DeepSpeed JSON path is relative to the spec file, so jobs run from anywhere.
+        ds = data.get("deepspeed")
+        if isinstance(ds, str) and not Path(ds).is_absolute():
+            data["deepspeed"] = str(path.parent / ds)
+        for item in overrides or []:
+            apply_override(data, item)
+        return cls.from_dict(data, source=str(path))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one `--set a.b.c=value` (value parsed as YAML) to a raw spec mapping."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set '{item}' must look like key.path=value")
+    value = yaml.safe_load(raw) if raw != "" else None
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set '{item}': '{part}' is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against airay.JobConfig"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)

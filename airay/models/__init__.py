@@ -1,0 +1,1 @@
+"""Example models for airay jobs: small, plain, readable top to bottom."""

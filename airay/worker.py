@@ -1,0 +1,299 @@
+"""The training actor: one process per bundle, holding a DeepSpeed engine across world changes.
+
+The process lives for the whole run. When the world changes it leaves the old process group,
+joins the new one and builds a fresh engine (ZeRO partitions depend on the world size), but it
+never re-imports torch or DeepSpeed: that is what makes warm recovery fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import stat
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import ray
+
+from airay.config import JobConfig, resolve_callable
+from airay.data import SyntheticSource
+from airay.policy import BatchPlan
+
+
+class UserCodeError(RuntimeError):
+    """An exception raised by the user's model, loss or data code: retrying will not fix it."""
+
+
+def free_port() -> int:
+    # Bind to port 0 and release it: the rendezvous port rank 0 will listen on. The tiny race
+    # (another process taking it) fails the join, which is retried like any other fault.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def device_for(gpu_ids: list, cuda_available: bool) -> tuple[str, str]:
+    """(torch device, process-group backend) for a worker with the given Ray GPU ids.
+
+    Workers see every GPU of their node (airay disables Ray's CUDA_VISIBLE_DEVICES masking), so
+    the device index is the physical id Ray assigned, and co-located ranks can use NVLink.
+    """
+    if gpu_ids and cuda_available:
+        return f"cuda:{int(gpu_ids[0])}", "nccl"
+    return "cpu", "gloo"
+
+
+def engine_config(base: dict[str, Any], plan: BatchPlan, on_cpu: bool, load_universal: bool) -> dict[str, Any]:
+    cfg = copy.deepcopy(base)
+    cfg.update(plan.deepspeed_fields())
+    opt = cfg.get("optimizer")
+    if on_cpu and opt and opt.get("type", "").lower() in ("adam", "adamw"):
+        # FusedAdam needs CUDA; torch's Adam is the same algorithm and runs anywhere.
+        opt.setdefault("params", {}).setdefault("torch_adam", True)
+    cfg.setdefault("steps_per_print", 10**9)
+    cfg.setdefault("wall_clock_breakdown", False)
+    cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": load_universal}
+    return cfg
+
+
+def tcp_socket_fds() -> dict[int, int]:
+    """{fd: inode} of this process's connected TCP sockets (listeners are left out: gloo's
+    listener thread aborts the process if its socket is shut down under it)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode):
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                    s.getpeername()  # raises for a listening or unconnected socket
+                    out[fd] = st.st_ino
+        except OSError:
+            continue
+    return out
+
+
+def shutdown_sockets(fds: dict[int, int]) -> int:
+    """shutdown() the given sockets (if still the same inode); returns how many.
+
+    shutdown acts on the socket, not the descriptor, so doing it through a dup wakes any thread
+    blocked on it, and the peer sees EOF at once, while the owner (gloo) still owns and later
+    closes the original descriptor: no descriptor is closed under it or reused.
+    """
+    n = 0
+    for fd, inode in fds.items():
+        try:
+            if os.fstat(fd).st_ino != inode:
+                continue
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+                n += 1
+        except OSError:
+            continue
+    return n
+
+
+class TrainWorker:
+    """Ray actor body. The controller (through WorkerGroup) calls these methods in rounds.
+
+    Training methods run one at a time; `abort_world` runs in its own concurrency group so the
+    driver can break a rank out of a collective that will never complete.
+    """
+
+    def __init__(self, spec: dict[str, Any]):
+        import torch
+
+        self.config = JobConfig.from_dict(spec)
+        self.model_factory = resolve_callable(self.config.model.factory)
+        self.loss_fn = resolve_callable(self.config.loss_fn)
+        data = self.config.data
+        self.data = SyntheticSource(resolve_callable(data.sample_fn), data.seed, data.kwargs)
+        gpu_ids = ray.get_gpu_ids()
+        self.device, self.backend = device_for(gpu_ids, torch.cuda.is_available())
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.ip = ray.util.get_node_ip_address()
+        self.engine = None
+        self.rank: int | None = None
+        self.plan: BatchPlan | None = None
+        self._world_sockets: dict[int, int] = {}
+        torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "ip": self.ip, "pid": os.getpid(), "device": self.device}
+
+    def free_port(self) -> int:
+        return free_port()
+
+    # ---- world membership ----------------------------------------------------------------
+
+    def join(self, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict[str, int],
+             load_universal: bool) -> dict[str, float]:
+        """Leave any old world, join this one and build a fresh engine. Returns timings."""
+        import deepspeed
+        import deepspeed.comm as dist
+
+        t0 = time.perf_counter()
+        self.leave()
+        sockets_before = tcp_socket_fds()
+        if self.backend == "gloo":
+            _disable_cpu_shm_comm()
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False,
+                                   init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                   world_size=world_size,
+                                   timeout=timedelta(seconds=self.config.timeouts.collective_timeout_s))
+        t_pg = time.perf_counter()
+        self.rank, self.plan = rank, BatchPlan(**plan)
+        model = self._user(self.model_factory, seed=self.config.seed, **self.config.model.kwargs)
+        # DeepSpeed's universal-checkpoint converter asks for this marker on the module.
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
+            UNIVERSAL_CHECKPOINT_VERSION_VALUE
+        setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+        cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", load_universal)
+        self.engine, *_ = deepspeed.initialize(model=model.to(self.device), model_parameters=model.parameters(),
+                                               config=cfg, dist_init_required=False)
+        dist.barrier()
+        # The TCP sockets that appeared while joining are this world's (store and gloo pairs).
+        self._world_sockets = {fd: ino for fd, ino in tcp_socket_fds().items() if sockets_before.get(fd) != ino}
+        t1 = time.perf_counter()
+        return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0}
+
+    @ray.method(concurrency_group="control")
+    def abort_world(self) -> int:
+        """Break out of the current world: a peer is gone, so its collectives can never finish.
+
+        gloo's abort() leaves its sockets open (torch 2.13), so a rank blocked in a collective
+        would wait for the full timeout; shutting the world's sockets down wakes it now.
+        NCCL communicators have a real abort.
+        """
+        if self.backend == "nccl":
+            from torch.distributed import distributed_c10d as c10d
+
+            try:
+                c10d._abort_process_group()
+            except Exception:
+                pass
+            return 0
+        return shutdown_sockets(self._world_sockets)
+
+    def leave(self) -> None:
+        """Drop the engine and the process group; safe to call when in neither."""
+        import deepspeed.comm as dist
+        import torch.distributed as tdist
+
+        if self.engine is not None:
+            try:
+                self.engine.destroy()
+            except Exception:  # a half-broken engine after a peer died; we drop it anyway
+                pass
+            self.engine = None
+        if tdist.is_available() and tdist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                if tdist.is_initialized():
+                    tdist.destroy_process_group()
+        self.rank = None
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def save(self, path: str, step: int) -> dict[str, float]:
+        from airay.checkpoint import NATIVE_TAG
+
+        t0 = time.perf_counter()
+        self.engine.save_checkpoint(save_dir=path, tag=NATIVE_TAG, client_state={"airay_step": step},
+                                    save_latest=False)
+        return {"save_s": time.perf_counter() - t0}
+
+    def load(self, path: str, tag: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        load_path, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                        load_lr_scheduler_states=True)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint at {path}/{tag}")
+        return {"step": int(client["airay_step"]), "load_s": time.perf_counter() - t0}
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def train(self, start: int, end: int, die_at: list[int] | None = None) -> list[dict[str, float]]:
+        """Run global steps [start, end). Each result: loss_sum over this rank's samples, timings.
+
+        `die_at`: chaos; at the start of any of these steps this process kills itself (SIGKILL),
+        a real crash in the middle of the world's collectives.
+        """
+        out = []
+        try:
+            for step in range(start, end):
+                if die_at and step in die_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                out.append(self._step(step))
+        except BaseException:
+            # A peer died mid-collective, or our own code failed: aborting our groups closes our
+            # sockets, so ranks still blocked on us fail fast instead of waiting for a timeout.
+            shutdown_sockets(self._world_sockets)
+            self.leave()
+            raise
+        return out
+
+    def _step(self, step: int) -> dict[str, float]:
+        import torch
+
+        t0 = time.perf_counter()
+        data_wait = 0.0
+        loss_sum = 0.0
+        for micro in range(self.plan.grad_accum_steps):
+            td = time.perf_counter()
+            batch = self._user(self._micro_batch, step, micro)
+            data_wait += time.perf_counter() - td
+            loss = self._user(self.loss_fn, self.engine, batch)
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += float(loss.detach()) * self.plan.micro_batch_size
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return {"step": step, "loss_sum": loss_sum, "step_time_s": time.perf_counter() - t0,
+                "data_wait_s": data_wait}
+
+    def _micro_batch(self, step: int, micro: int):
+        if micro == 0:
+            self._batches = self.data.micro_batches(step, self.rank, self.plan)
+        batch = self._batches[micro]
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _user(self, fn, *args, **kwargs):
+        """Call user code; its exceptions become UserCodeError carrying the original traceback."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if _is_comm_error(exc):
+                raise
+            raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
+
+
+def _disable_cpu_shm_comm() -> None:
+    # DeepSpeed (0.19) JIT-compiles a shared-memory all-reduce for CPU worlds on first init
+    # (~30 s of C++ build per fresh machine) and keys its buffers by rank, which collides when
+    # ranks on one host are re-numbered by a resize. The training path does not use it (ZeRO's
+    # collectives go through torch.distributed), so mark the op unavailable.
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+def _is_comm_error(exc: BaseException) -> bool:
+    # A peer's death surfaces inside backward/step as a gloo/NCCL error, not a user bug.
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(s in text for s in ("gloo", "nccl", "connection", "distbackenderror", "timed out", "peer"))

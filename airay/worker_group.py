@@ -1,0 +1,227 @@
+"""The one layer that owns Ray actors and placement groups.
+
+Workers live in bundle slots of placement groups. A worker that dies leaves its slot vacant and
+a replacement is started in it at once, in the background: if the node is alive the replacement
+comes up in seconds; if the node is gone Ray re-places the bundle when capacity returns. Either
+way the controller keeps training with the survivors and grows the world once a replacement is
+ready (it stands by until then). Nothing outside this module holds an actor handle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from airay import placement
+from airay.checkpoint import Committer
+from airay.health import RankOutcome
+from airay.policy import BatchPlan
+from airay.worker import TrainWorker, UserCodeError
+
+
+@dataclass
+class Member:
+    actor: Any
+    pg: PlacementGroup
+    bundle_index: int
+    ready_ref: Any
+    info: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def node_id(self) -> str | None:
+        return self.info.get("node_id")
+
+
+class WorkerGroup:
+    def __init__(self, spec: dict[str, Any], per_worker: dict[str, float], strategy: str,
+                 drain_s: float):
+        self.spec = spec
+        self.per_worker = per_worker
+        self.strategy = strategy
+        self.drain_s = drain_s
+        self.pgs: list[PlacementGroup] = []
+        self.active: list[Member] = []   # in the world, ordered by rank
+        self.pending: list[Member] = []  # started, not yet ready
+        self.standby: list[Member] = []  # ready, waiting to join at the next resize
+        self.start_failures: list[str] = []  # why replacement workers died while starting
+        self.first_failure_ts: float | None = None  # when the last failed call was first noticed
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+        env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if per_worker.get("GPU") else {}
+        self._actor_opts = {**placement.actor_options(per_worker), "max_restarts": 0,
+                            "runtime_env": {"env_vars": env} if env else None}
+        # The committer reshards checkpoints; it lives beside the driver, whose node outlives workers.
+        self.committer = ray.remote(Committer).options(
+            num_cpus=0, max_restarts=-1, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=True)).remote()
+
+    def commit(self, path: str, step: int, world_size: int, zero_stage: int, keep_last: int):
+        return self.committer.commit.remote(path, step, world_size, zero_stage, keep_last)
+
+    # ---- reserving capacity ----------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Workers that could be added now: placed-but-idle members plus bundles that fit free resources."""
+        return len(self.standby) + placement.bundles_that_fit(placement.available_per_node(), self.per_worker)
+
+    def reserve(self, n: int, timeout_s: float) -> bool:
+        """Reserve a placement group of n bundles and start a worker in each (not waited for)."""
+        pg = placement_group([dict(self.per_worker) for _ in range(n)], strategy=self.strategy)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            return False
+        self.pgs.append(pg)
+        for i in range(n):
+            self._start(pg, i)
+        return True
+
+    def _start(self, pg: PlacementGroup, bundle_index: int) -> Member:
+        opts = {k: v for k, v in self._actor_opts.items() if v is not None}
+        actor = self._actor_cls.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
+            **opts).remote(self.spec)
+        member = Member(actor, pg, bundle_index, actor.info.remote())
+        self.pending.append(member)
+        return member
+
+    def poll_pending(self, timeout_s: float = 0.0) -> list[Member]:
+        """Move workers whose process is up to standby; returns the newly ready ones."""
+        if not self.pending:
+            return []
+        refs = [m.ready_ref for m in self.pending]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        newly = []
+        for m in [m for m in self.pending if m.ready_ref in ready]:
+            self.pending.remove(m)
+            try:
+                m.info = ray.get(m.ready_ref)
+            except ray.exceptions.RayActorError as exc:
+                self.start_failures.append(str(exc).splitlines()[0])
+                self._start(m.pg, m.bundle_index)  # died while starting: try its slot again
+                continue
+            except ray.exceptions.RayTaskError as exc:  # bad spec on the worker side: no retry
+                raise RuntimeError(f"worker failed to start: {exc}") from exc
+            self.standby.append(m)
+            newly.append(m)
+        return newly
+
+    def wait_for_standby(self, n: int, timeout_s: float) -> bool:
+        deadline = time.time() + timeout_s
+        while len(self.standby) < n:
+            left = deadline - time.time()
+            if left <= 0:
+                return False
+            self.poll_pending(timeout_s=min(left, 1.0))
+        return True
+
+    # ---- forming the world -----------------------------------------------------------------
+
+    def form(self, world_size: int, plan: BatchPlan, load_universal: bool) -> tuple[list[RankOutcome], dict]:
+        """Make a world of `world_size`: survivors keep their order, standby workers join after."""
+        while len(self.active) < world_size and self.standby:
+            self.active.append(self.standby.pop(0))
+        assert len(self.active) == world_size, (len(self.active), world_size)
+        master = self.active[0]
+        port = ray.get(master.actor.free_port.remote())
+        refs = [m.actor.join.remote(rank, world_size, master.info["ip"], port, plan.__dict__, load_universal)
+                for rank, m in enumerate(self.active)]
+        outcomes, values = self._gather(refs)
+        timings = {k: max(v[k] for v in values if v) for k in ("process_group_s", "engine_s", "join_s")} \
+            if all(values) else {}
+        return outcomes, timings
+
+    # ---- collective calls ------------------------------------------------------------------
+
+    def train(self, start: int, end: int, die_at: dict[int, list[int]],
+              after_launch: Callable[[], None] | None = None) -> tuple[list[RankOutcome], list]:
+        refs = [m.actor.train.remote(start, end, die_at.get(rank)) for rank, m in enumerate(self.active)]
+        if after_launch is not None:
+            after_launch()
+        return self._gather(refs)
+
+    def save(self, path: str, step: int) -> tuple[list[RankOutcome], list]:
+        return self._gather([m.actor.save.remote(path, step) for m in self.active])
+
+    def load(self, path: str, tag: str) -> tuple[list[RankOutcome], list]:
+        return self._gather([m.actor.load.remote(path, tag) for m in self.active])
+
+    def _gather(self, refs: list) -> tuple[list[RankOutcome], list]:
+        """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
+        (their collectives fail fast when a peer's sockets close); ranks still silent then are
+        counted as lost."""
+        by_ref = {ref: rank for rank, ref in enumerate(refs)}
+        outcomes: dict[int, RankOutcome] = {}
+        values: list = [None] * len(refs)
+        deadline = None
+        while by_ref:
+            timeout = 1.0 if deadline is None else max(0.0, deadline - time.time())
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
+            for ref in ready:
+                rank = by_ref.pop(ref)
+                try:
+                    values[rank] = ray.get(ref)
+                    outcomes[rank] = RankOutcome(rank, "ok")
+                except ray.exceptions.RayActorError as exc:
+                    outcomes[rank] = RankOutcome(rank, "died", error=str(exc).splitlines()[0])
+                except ray.exceptions.RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    outcomes[rank] = RankOutcome(rank, "errored", error=str(cause or exc),
+                                                 user_error=isinstance(cause, UserCodeError))
+            if deadline is None and any(o.kind != "ok" for o in outcomes.values()):
+                self.first_failure_ts = time.time()
+                deadline = self.first_failure_ts + self.drain_s
+                # The world is broken: wake every rank still inside a collective.
+                for ref, rank in by_ref.items():
+                    self.active[rank].actor.abort_world.remote()
+            if deadline is not None and time.time() >= deadline:
+                break
+        for ref, rank in by_ref.items():
+            outcomes[rank] = RankOutcome(rank, "silent", error=f"no answer {self.drain_s:.0f}s after a peer failed")
+        return [outcomes[r] for r in range(len(refs))], values
+
+    # ---- losing and replacing workers -------------------------------------------------------
+
+    def member(self, rank: int) -> Member:
+        return self.active[rank]
+
+    def drop(self, ranks: list[int]) -> list[Member]:
+        """Remove lost ranks from the world, kill what is left of them, start replacements."""
+        lost = [self.active[r] for r in ranks]
+        for m in lost:
+            self.active.remove(m)
+            ray.kill(m.actor, no_restart=True)
+            self._start(m.pg, m.bundle_index)
+        return lost
+
+    def leave_all(self) -> None:
+        """Survivors of a failed round leave their broken process group (errors ignored)."""
+        refs = [m.actor.leave.remote() for m in self.active]
+        ray.wait(refs, num_returns=len(refs), timeout=self.drain_s)
+
+    def shutdown(self) -> None:
+        """Kill every actor and remove every placement group this group made."""
+        for m in self.active + self.pending + self.standby:
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception:
+                pass
+        self.active, self.pending, self.standby = [], [], []
+        ray.kill(self.committer, no_restart=True)
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self.pgs = []
+
+
+def node_alive(node_id: str | None) -> bool:
+    if node_id is None:
+        return False
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())

@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from airay.config import JobConfig
+from airay.config import ConfigError, JobConfig
 from airay.controller import Controller, Result
 from airay.events import RunRecorder
 from airay.local_cluster import LocalCluster
@@ -18,15 +18,20 @@ def resolve_run_dir(config: JobConfig) -> Path:
     return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def fit(config: JobConfig, echo: bool = True) -> Result:
+def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None) -> Result:
     """Train `config` to max_steps, recovering from lost workers and nodes on the way.
 
-    Connects to `config.ray_address`, else RAY_ADDRESS, else the Ray already initialised in
-    this process, else starts one (or the local multi-node cluster of `config.cluster`).
-    Everything it starts (actors, placement groups, a local cluster) is released on return.
+    Connects to the Ray already initialised in this process, else `config.ray_address`, else
+    RAY_ADDRESS, else starts one (or the local multi-node cluster of `config.cluster`).
+    `local_cluster`: a LocalCluster the caller started (and will shut down), for chaos that
+    removes and adds nodes. Everything fit starts (actors, placement groups, Ray, a local
+    cluster) is released on return, also when the run fails.
     """
     import ray
 
+    if config.needs_local_cluster and config.cluster is None and local_cluster is None:
+        raise ConfigError("chaos remove_node/add_node act on a local cluster: set cluster.local_nodes "
+                          "(or pass local_cluster= to airay.fit)")
     run_dir = resolve_run_dir(config)
     recorder = RunRecorder(run_dir, echo=echo)
     config = config.model_copy(update={"run_dir": str(run_dir)})
@@ -34,7 +39,11 @@ def fit(config: JobConfig, echo: bool = True) -> Result:
     local = None
     started_ray = False
     try:
-        if config.cluster is not None:
+        if local_cluster is not None:
+            if not ray.is_initialized():
+                ray.init(address=local_cluster.address, logging_level="WARNING", log_to_driver=echo)
+                started_ray = True
+        elif config.cluster is not None:
             if ray.is_initialized():
                 raise RuntimeError("cluster.local_nodes starts its own Ray cluster; call ray.shutdown() first "
                                    "or remove the cluster section to use the running Ray")
@@ -45,7 +54,7 @@ def fit(config: JobConfig, echo: bool = True) -> Result:
             ray.init(address=config.ray_address or os.environ.get("RAY_ADDRESS") or None,
                      logging_level="WARNING", log_to_driver=echo)
             started_ray = True
-        return Controller(config, recorder, local).run()
+        return Controller(config, recorder, local or local_cluster).run()
     finally:
         recorder.close()
         if started_ray:

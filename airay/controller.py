@@ -112,10 +112,17 @@ class Controller:
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                  self.cfg.timeouts.survivor_drain_s)
         deadline = time.time() + self.cfg.timeouts.capacity_wait_s
-        while True:
+        size = None
+        while size is None:
             capacity = self.group.capacity()
-            size = policy.choose_world_size(capacity, sc.min_workers, sc.max_workers)
-            if size is not None and self.group.reserve(size, timeout_s=min(10.0, max(1.0, deadline - time.time()))):
+            fit_now = policy.choose_world_size(capacity, sc.min_workers, sc.max_workers)
+            # Ray's per-node resource view lags by up to a second (e.g. right after another run
+            # released its bundles), so ask for the full world first and let GCS decide.
+            for candidate in dict.fromkeys([sc.max_workers, fit_now]):
+                if candidate is not None and self.group.reserve(candidate, timeout_s=3.0):
+                    size = candidate
+                    break
+            if size is not None:
                 break
             if time.time() >= deadline:
                 raise RunFailed(

@@ -156,6 +156,7 @@ class TrainWorker:
                                    timeout=timedelta(seconds=self.config.timeouts.collective_timeout_s))
         t_pg = time.perf_counter()
         self.rank, self.plan = rank, BatchPlan(**plan)
+        _reset_zero3_globals()
         model = self._user(self.model_factory, seed=self.config.seed, **self.config.model.kwargs)
         # DeepSpeed's universal-checkpoint converter asks for this marker on the module.
         from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
@@ -280,6 +281,22 @@ class TrainWorker:
             if _is_comm_error(exc):
                 raise
             raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
+
+
+def _reset_zero3_globals() -> None:
+    # ZeRO-3 numbers parameters and modules from process-wide counters (deepspeed 0.19:
+    # zero.Init.param_id, and the mutable default `count=[0]` of
+    # DeepSpeedZeRoOffload._register_deepspeed_module) and checks that all ranks agree on the
+    # ids of its prefetch trace. A warm worker building its second engine would count on from
+    # where its first stopped while a fresh worker starts at 0, so every build starts afresh.
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+    Init.num_persisted_parameters = 0
+    Init.num_persisted_elements = 0
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
+    module_count[0] = 0
 
 
 def _disable_cpu_shm_comm() -> None:

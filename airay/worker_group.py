@@ -58,7 +58,7 @@ class WorkerGroup:
         # The committer reshards checkpoints; it lives beside the driver, whose node outlives workers.
         self.committer = ray.remote(Committer).options(
             num_cpus=0, max_restarts=-1, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=True)).remote()
+                ray.get_runtime_context().get_node_id(), soft=False)).remote()
 
     def commit(self, path: str, step: int, world_size: int, zero_stage: int, keep_last: int):
         return self.committer.commit.remote(path, step, world_size, zero_stage, keep_last)
@@ -204,21 +204,29 @@ class WorkerGroup:
         refs = [m.actor.leave.remote() for m in self.active]
         ray.wait(refs, num_returns=len(refs), timeout=self.drain_s)
 
-    def shutdown(self) -> None:
-        """Kill every actor and remove every placement group this group made."""
-        for m in self.active + self.pending + self.standby:
+    def shutdown(self, timeout_s: float = 15.0) -> None:
+        """Kill every actor and remove every placement group this group made, and wait until
+        Ray reports them gone, so a run that returns has really given its resources back."""
+        actors = [m.actor for m in self.active + self.pending + self.standby] + [self.committer]
+        for actor in actors:
             try:
-                ray.kill(m.actor, no_restart=True)
+                ray.kill(actor, no_restart=True)
             except Exception:
                 pass
         self.active, self.pending, self.standby = [], [], []
-        ray.kill(self.committer, no_restart=True)
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
             except Exception:
                 pass
+        pg_ids = {pg.id.hex() for pg in self.pgs}
         self.pgs = []
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            table = ray.util.placement_group_table()
+            if all(table.get(i, {}).get("state", "REMOVED") == "REMOVED" for i in pg_ids):
+                break
+            time.sleep(0.1)
 
 
 def node_alive(node_id: str | None) -> bool:

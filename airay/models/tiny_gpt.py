@@ -6,6 +6,8 @@ No dropout: the loss at step N must depend only on the weights and the step's sa
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,9 +29,12 @@ class Block(nn.Module):
 
 class TinyGPT(nn.Module):
     def __init__(self, vocab_size: int = 256, seq_len: int = 32, d_model: int = 64, n_layers: int = 2,
-                 n_heads: int = 4):
+                 n_heads: int = 4, forward_delay_s: float = 0.0):
         super().__init__()
         self.seq_len = seq_len
+        # Stands in for the compute of a bigger model, so tests on a 2-core machine can pace
+        # steps (and leave time for a replacement worker to start) without burning CPU.
+        self.forward_delay_s = forward_delay_s
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
@@ -37,6 +42,8 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.forward_delay_s:
+            time.sleep(self.forward_delay_s)
         t = tokens.shape[1]
         pos = torch.arange(t, device=tokens.device)
         x = self.tok(tokens) + self.pos(pos)

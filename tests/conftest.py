@@ -1,0 +1,42 @@
+import pytest
+import ray
+
+from airay.config import LocalClusterSpec
+from airay.local_cluster import LocalCluster
+
+
+def live_airay_actors() -> list[str]:
+    return [a["ActorClassName"] for a in ray.state.actors().values()
+            if a["State"] != "DEAD" and a["ActorClassName"] in ("TrainWorker", "Committer")]
+
+
+def live_placement_groups() -> list[str]:
+    return [pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"]
+
+
+@pytest.fixture
+def local_cluster():
+    """Start a real multi-node Ray cluster; after the test, check airay released everything."""
+    started = []
+
+    def start(nodes: int = 4, cpus_per_node: float = 1, gpus_per_node: float = 0) -> LocalCluster:
+        lc = LocalCluster(LocalClusterSpec(local_nodes=nodes, cpus_per_node=cpus_per_node,
+                                           gpus_per_node=gpus_per_node))
+        ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
+        started.append(lc)
+        return lc
+
+    yield start
+    for lc in started:
+        ray.shutdown()
+        lc.shutdown()
+
+
+def assert_released():
+    import time
+
+    deadline = time.time() + 10  # actor and PG removal is asynchronous in Ray
+    while time.time() < deadline and (live_airay_actors() or live_placement_groups()):
+        time.sleep(0.2)
+    assert live_airay_actors() == []
+    assert live_placement_groups() == []

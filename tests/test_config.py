@@ -1,0 +1,112 @@
+"""Bad specs fail at validation, before Ray is touched, naming the field and the fix."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from airay import ConfigError, JobConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "jobs" / "demo.yaml"
+
+
+def demo_dict():
+    return yaml.safe_load(DEMO.read_text())
+
+
+def error_for(mutate) -> str:
+    spec = demo_dict()
+    mutate(spec)
+    with pytest.raises(ConfigError) as err:
+        JobConfig.from_dict(spec)
+    return str(err.value)
+
+
+def test_demo_spec_is_valid():
+    cfg = JobConfig.from_yaml(DEMO)
+    assert cfg.scaling.max_workers == 4 and cfg.zero_stage == 2 and len(cfg.chaos) == 3
+
+
+def test_unknown_field_is_named():
+    msg = error_for(lambda s: s["scaling"].update(max_wrokers=4))
+    assert "scaling.max_wrokers" in msg and "unknown field" in msg
+
+
+def test_min_greater_than_max():
+    msg = error_for(lambda s: s["scaling"].update(min_workers=5))
+    assert "scaling" in msg and "min_workers (5) > max_workers (4)" in msg
+
+
+def test_impossible_batch_plan_names_sizes_and_fix():
+    msg = error_for(lambda s: s.update(global_batch_size=16))
+    assert "global_batch_size 16" in msg and "[3]" in msg and "e.g. 12" in msg
+
+
+def test_missing_model_factory():
+    msg = error_for(lambda s: s["model"].update(factory="airay.models.tiny_gpt:nope"))
+    assert "model.factory" in msg and "no attribute 'nope'" in msg
+    msg = error_for(lambda s: s["model"].update(factory="no_such_pkg.mod:build"))
+    assert "model.factory" in msg and "cannot import module 'no_such_pkg.mod'" in msg
+
+
+def test_missing_required_field():
+    msg = error_for(lambda s: s.pop("loss_fn"))
+    assert "loss_fn: required field is missing" in msg
+
+
+def test_deepspeed_batch_keys_are_owned_by_airay():
+    msg = error_for(lambda s: s["deepspeed"].update(train_batch_size=8))
+    assert "deepspeed" in msg and "train_batch_size" in msg
+
+
+def test_bad_zero_stage_and_missing_deepspeed_file(tmp_path):
+    assert "stage must be 0, 1, 2 or 3" in error_for(lambda s: s["deepspeed"].update(zero_optimization={"stage": 4}))
+    msg = error_for(lambda s: s.update(deepspeed=str(tmp_path / "ds.json")))
+    assert "ds.json' does not exist" in msg
+
+
+def test_deepspeed_json_relative_to_spec(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    spec = demo_dict()
+    spec["deepspeed"] = "ds.json"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    assert JobConfig.from_yaml(tmp_path / "job.yaml").zero_stage == 3
+
+
+def test_chaos_validation():
+    assert "chaos.0.at_step" in error_for(lambda s: s["chaos"][0].update(at_step=-1))
+    assert "chaos[0].at_step (500) must be < max_steps" in error_for(lambda s: s["chaos"][0].update(at_step=500))
+    assert "chaos.0.fault" in error_for(lambda s: s["chaos"][0].update(fault="explode"))
+
+
+def test_overrides_parse_yaml_values():
+    cfg = JobConfig.from_yaml(DEMO, ["max_steps=7", "scaling.min_workers=3", "chaos=[]"])
+    assert cfg.max_steps == 7 and cfg.scaling.min_workers == 3 and cfg.chaos == []
+    with pytest.raises(ConfigError, match="key.path=value"):
+        JobConfig.from_yaml(DEMO, ["max_steps"])
+
+
+def test_missing_spec_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        JobConfig.from_yaml("/nonexistent/job.yaml")
+
+
+def test_cli_rejects_bad_spec_before_starting_ray(tmp_path):
+    spec = demo_dict()
+    spec["scaling"]["min_workers"] = 9
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "airay.cli", "run", str(tmp_path / "bad.yaml"),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "scaling" in proc.stderr and "min_workers (9) > max_workers (4)" in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, not even the run directory
+
+
+def test_resolved_config_round_trips():
+    cfg = JobConfig.from_yaml(DEMO)
+    again = JobConfig.from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg

@@ -110,7 +110,15 @@ class TrainWorker:
     """
 
     def __init__(self, spec: dict[str, Any]):
+        import logging
+        import warnings
+
         import torch
+
+        # Keep `ray job logs` readable: DeepSpeed logs every engine build at INFO, and torch
+        # warns on every ZeRO collective about its own renamed APIs.
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
         self.config = JobConfig.from_dict(spec)
         self.model_factory = resolve_callable(self.config.model.factory)
@@ -134,6 +142,18 @@ class TrainWorker:
 
     def free_port(self) -> int:
         return free_port()
+
+    def warmup(self) -> dict[str, Any]:
+        """Build and drop a one-rank engine, so this worker's first real join is warm.
+
+        DeepSpeed's first engine build in a process costs seconds (lazy imports, op checks);
+        paying it here, while the worker stands by, keeps it off the critical path of a resize.
+        """
+        t0 = time.perf_counter()
+        plan = BatchPlan(1, self.config.micro_batch_size, 1)
+        self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__, load_universal=False)
+        self.leave()
+        return {**self.info(), "warmup_s": time.perf_counter() - t0}
 
     # ---- world membership ----------------------------------------------------------------
 

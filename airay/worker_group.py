@@ -86,12 +86,12 @@ class WorkerGroup:
         actor = self._actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
             **opts).remote(self.spec)
-        member = Member(actor, pg, bundle_index, actor.info.remote())
+        member = Member(actor, pg, bundle_index, actor.warmup.remote())
         self.pending.append(member)
         return member
 
     def poll_pending(self, timeout_s: float = 0.0) -> list[Member]:
-        """Move workers whose process is up to standby; returns the newly ready ones."""
+        """Move workers that are up and warmed to standby; returns the newly ready ones."""
         if not self.pending:
             return []
         refs = [m.ready_ref for m in self.pending]

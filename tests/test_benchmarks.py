@@ -1,0 +1,23 @@
+"""Benchmarks run in reduced mode so they cannot rot; their numbers live in README/BENCHMARKS."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_recovery_benchmark_reduced(tmp_path):
+    out = tmp_path / "rec.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "recovery.py"), "--repeats", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cold / warm recovery ratio" in proc.stdout
+    numbers = json.loads(out.read_text())
+    med = numbers["median"]
+    assert 0 < med["detection_s"] <= med["recovery_s"] < numbers["cold_median_s"]
+    assert med["reform_s"] > 0 and med["reload_s"] > 0

@@ -1,0 +1,28 @@
+"""README's first command, as a user runs it: the demo job through the CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from airay.events import read_jsonl
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_job_recovers_from_worker_and_node_loss(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "airay.cli", "run", str(ROOT / "jobs" / "demo.yaml"),
+                           "--run-dir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "demo" / "result.json").read_text())
+    assert result["status"] == "finished" and result["final_step"] == 130 and result["restarts"] == 2
+    sizes = result["world_sizes"]
+    assert sizes[0] == 4 and sizes[-1] == 4 and sizes.count(3) == 2
+    types = [e["type"] for e in read_jsonl(tmp_path / "demo" / "events.jsonl")]
+    assert types.count("worker_failed") == 1 and types.count("node_lost") == 1 and "node_added" in types
+    assert "resize 4 -> 3 (failure)" in proc.stdout and "recovery" in proc.stdout
+    for name in ("config.yaml", "events.jsonl", "metrics.jsonl", "result.json"):
+        assert (tmp_path / "demo" / name).is_file()

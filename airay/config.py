@@ -10,10 +10,10 @@ import importlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from airay import policy
 
@@ -47,17 +47,20 @@ def resolve_callable(dotted: str) -> Callable[..., Any]:
     return obj
 
 
+def _importable(value: str) -> str:
+    resolve_callable(value)
+    return value
+
+
+# A 'package.module:function' that must import here, so a typo fails before any actor starts.
+DottedCallable = Annotated[str, AfterValidator(_importable)]
+
+
 class CallableSpec(_Spec):
     """A function named by dotted path plus the keyword arguments it is called with."""
 
-    factory: str = Field(description="'package.module:function' importable on every node")
+    factory: DottedCallable = Field(description="'package.module:function' importable on every node")
     kwargs: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("factory")
-    @classmethod
-    def _importable(cls, value: str) -> str:
-        resolve_callable(value)
-        return value
 
 
 class DataSpec(_Spec):
@@ -67,15 +70,9 @@ class DataSpec(_Spec):
     world size, so a replayed step sees exactly the samples it saw the first time.
     """
 
-    sample_fn: str = "airay.models.tiny_gpt:synthetic_sample"
+    sample_fn: DottedCallable = "airay.models.tiny_gpt:synthetic_sample"
     kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
-
-    @field_validator("sample_fn")
-    @classmethod
-    def _importable(cls, value: str) -> str:
-        resolve_callable(value)
-        return value
 
 
 class ScalingSpec(_Spec):
@@ -144,7 +141,7 @@ class JobConfig(_Spec):
 
     name: str = "airay-job"
     model: CallableSpec
-    loss_fn: str = Field(description="'module:function' with signature (model, batch) -> scalar mean loss")
+    loss_fn: DottedCallable = Field(description="'module:function' with signature (model, batch) -> scalar mean loss")
     data: DataSpec = Field(default_factory=DataSpec)
     deepspeed: dict[str, Any] | str = Field(
         default_factory=lambda: {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
@@ -162,12 +159,6 @@ class JobConfig(_Spec):
     cluster: LocalClusterSpec | None = None
     timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
     run_dir: str | None = Field(None, description="default: ./runs/NAME-TIMESTAMP")
-
-    @field_validator("loss_fn")
-    @classmethod
-    def _loss_importable(cls, value: str) -> str:
-        resolve_callable(value)
-        return value
 
     @field_validator("deepspeed")
     @classmethod

@@ -21,7 +21,13 @@ from airay.events import RunRecorder
 from airay.health import RoundVerdict, classify_round
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
-from airay.worker_group import WorkerGroup, node_alive
+from airay.worker_group import WorkerGroup, node_died
+
+
+# How long to wait for Ray to declare a node dead when an actor became unreachable. With the
+# local cluster's health checks (airay.local_cluster) that takes ~1.5 s; a real cluster's default
+# checks take longer, and then the loss is recorded as worker_failed (the recovery is the same).
+NODE_VERDICT_WAIT_S = 3.0
 
 
 class RunFailed(RuntimeError):
@@ -111,6 +117,7 @@ class Controller:
         per_worker = sc.resources_per_worker or default_worker_resources(ray.cluster_resources())
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                  self.cfg.timeouts.survivor_drain_s)
+        self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
         deadline = time.time() + self.cfg.timeouts.capacity_wait_s
         size = None
         while size is None:
@@ -177,7 +184,10 @@ class Controller:
         for rank in verdict.lost_ranks:
             m = group.member(rank)
             outcome = verdict.outcomes[rank]
-            kind = "worker_failed" if node_alive(m.node_id) else "node_lost"
+            # "Unavailable" (not "died") means Ray lost contact with the actor's node: give its
+            # health check a moment to tell a dead node from a dead process (NODE_VERDICT_WAIT_S).
+            suspect = "unavailable" in outcome.error.lower()
+            kind = "node_lost" if node_died(m.node_id, NODE_VERDICT_WAIT_S if suspect else 0.0) else "worker_failed"
             self.rec.event(kind, step=self.step, rank=rank, node_id=m.node_id, outcome=outcome.kind,
                            error=outcome.error, detection_s=getattr(self, "detection_s", None))
         if verdict.kind == "comm_error":
@@ -252,7 +262,9 @@ class Controller:
             self.pending_resize = _PendingResize(t0, old, size, reason, self.step, {
                 **(parts or {}), "reform_s": t_load - t_form, "reload_s": time.time() - t_load, **timings})
         self.rec.event("world_formed", step=self.step, world_size=size, plan=asdict(self.plans[size]),
-                       **{k: round(v, 4) for k, v in timings.items()})
+                       **{k: round(v, 4) for k, v in timings.items()},
+                       workers=[{k: m.info.get(k) for k in ("node_id", "pid", "device", "gpu_ids", "backend")}
+                                for m in self.group.active])
         return True
 
     def _ok(self, outcomes) -> bool:

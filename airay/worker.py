@@ -125,8 +125,8 @@ class TrainWorker:
         self.loss_fn = resolve_callable(self.config.loss_fn)
         data = self.config.data
         self.data = SyntheticSource(resolve_callable(data.sample_fn), data.seed, data.kwargs)
-        gpu_ids = ray.get_gpu_ids()
-        self.device, self.backend = device_for(gpu_ids, torch.cuda.is_available())
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        self.device, self.backend = device_for(self.gpu_ids, torch.cuda.is_available())
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.engine = None
@@ -138,7 +138,8 @@ class TrainWorker:
     # ---- introspection -----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "ip": self.ip, "pid": os.getpid(), "device": self.device}
+        return {"node_id": self.node_id, "ip": self.ip, "pid": os.getpid(), "device": self.device,
+                "gpu_ids": self.gpu_ids, "backend": self.backend}
 
     def free_port(self) -> int:
         return free_port()

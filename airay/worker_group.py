@@ -233,3 +233,13 @@ def node_alive(node_id: str | None) -> bool:
     if node_id is None:
         return False
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+def node_died(node_id: str | None, wait_s: float) -> bool:
+    """Whether the node is (or within `wait_s` is declared) dead by Ray's health checks."""
+    deadline = time.time() + wait_s
+    while node_alive(node_id):
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -27,7 +27,7 @@ def spec(tmp_path, name, zero_stage=2, chaos=(), **overrides):
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
                       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 8}},
                       "zero_optimization": {"stage": zero_stage}},
-        "global_batch_size": 24, "micro_batch_size": 4, "max_steps": 40, "steps_per_round": 5,
+        "global_batch_size": 24, "micro_batch_size": 4, "max_steps": 60, "steps_per_round": 5,
         "scaling": {"min_workers": 2, "max_workers": 4},
         "checkpoint": {"every_n_steps": 5},
         "timeouts": {"capacity_wait_s": 60},
@@ -44,10 +44,10 @@ def events(result, type_):
 
 def assert_same_losses(run, baseline):
     a, b = committed_losses(run.run_dir), committed_losses(baseline.run_dir)
-    assert sorted(a) == sorted(b) == list(range(40))
+    assert sorted(a) == sorted(b) == list(range(60))
     for step in b:
         assert a[step] == pytest.approx(b[step], rel=RTOL), step
-    assert b[39] < b[0] - 0.5  # it trained: equality is not between two flat lines
+    assert b[59] < b[0] - 0.5  # it trained: equality is not between two flat lines
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, local_clus
     local_cluster(nodes=4)
     result = fit(spec(tmp_path, f"kill-z{zero_stage}", zero_stage,
                       chaos=[{"fault": "kill_worker", "at_step": 7, "rank": 1}]), echo=False)
-    assert result.status == "finished" and result.final_step == 40
+    assert result.status == "finished" and result.final_step == 60
     assert result.world_sizes == [4, 3, 4]
     failed = events(result, "worker_failed")
     assert [(e["rank"], e["step"], e["outcome"]) for e in failed] == [(1, 7, "died")]
@@ -118,4 +118,21 @@ def test_below_min_workers_fails_cleanly_and_keeps_checkpoints(tmp_path, local_c
     from airay.checkpoint import latest_complete
 
     assert latest_complete(f"{result.run_dir}/checkpoints").step == 5  # nothing lost
+    assert_released()
+
+
+def test_gpu_scheduling_path_with_logical_gpus(tmp_path, local_cluster):
+    """Nodes with logical GPUs: bundles default to {GPU: 1}, each worker is given its node's GPU
+    (Ray's CUDA masking off, so co-located ranks could see each other's devices); without CUDA
+    the training itself falls back to CPU and gloo."""
+    local_cluster(nodes=2, cpus_per_node=1, gpus_per_node=1)
+    result = fit(spec(tmp_path, "gpu", 2, max_steps=6, scaling={"min_workers": 1, "max_workers": 2},
+                      model={"factory": "airay.models.tiny_gpt:build"}), echo=False)
+    assert result.status == "finished" and result.world_sizes == [2]
+    placement = events(result, "placement")[0]
+    assert placement["resources_per_worker"] == {"GPU": 1.0}
+    workers = events(result, "world_formed")[0]["workers"]
+    assert [w["gpu_ids"] for w in workers] == [["0"], ["0"]]  # one GPU on each of two nodes
+    assert len({w["node_id"] for w in workers}) == 2
+    assert all(w["device"] == "cpu" and w["backend"] == "gloo" for w in workers)
     assert_released()

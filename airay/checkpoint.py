@@ -40,6 +40,7 @@ class CheckpointInfo:
     world_size: int
     load_tag: str  # the DeepSpeed tag to load: universal, or native for ZeRO stage 0
     bytes: int
+    committed_ts: float = 0.0  # unix time the manifest was written
 
 
 def _files_with_sizes(root: Path, subdirs: list[str]) -> dict[str, int]:
@@ -75,13 +76,14 @@ def commit(path: str | os.PathLike, step: int, world_size: int, zero_stage: int)
     load_tag = UNIVERSAL_TAG if zero_stage > 0 else NATIVE_TAG
     if load_tag == UNIVERSAL_TAG:
         convert_to_universal(path)
-    files = _files_with_sizes(path, [NATIVE_TAG, load_tag] if load_tag != NATIVE_TAG else [NATIVE_TAG])
+    files = _files_with_sizes(path, list(dict.fromkeys([NATIVE_TAG, load_tag])))
+    created = time.time()
     manifest = {"step": step, "world_size": world_size, "zero_stage": zero_stage, "load_tag": load_tag,
-                "created": time.time(), "files": files}
+                "created": created, "files": files}
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path / MANIFEST)  # atomic: readers see no manifest or a whole one
-    return CheckpointInfo(step, path, world_size, load_tag, sum(files.values()))
+    return CheckpointInfo(step, path, world_size, load_tag, sum(files.values()), created)
 
 
 def verify(path: str | os.PathLike) -> CheckpointInfo | None:
@@ -98,7 +100,7 @@ def verify(path: str | os.PathLike) -> CheckpointInfo | None:
     if not manifest.get("files"):
         return None
     return CheckpointInfo(manifest["step"], path, manifest["world_size"], manifest["load_tag"],
-                          sum(manifest["files"].values()))
+                          sum(manifest["files"].values()), manifest.get("created", 0.0))
 
 
 def step_dirs(root: str | os.PathLike) -> list[Path]:
@@ -150,7 +152,7 @@ class Checkpointer:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.zero_stage, self.keep_last, self.rec = zero_stage, keep_last, recorder
-        self._inflight = None  # (ref, step, path, t_start, blocking_s)
+        self._inflight = None  # (ref, step, path, unix start time, blocking_s)
         self.last_saved_step: int | None = None
 
     def save(self, group, step: int):
@@ -158,11 +160,11 @@ class Checkpointer:
         self.wait()
         path = step_dir(self.root, step)
         shutil.rmtree(path, ignore_errors=True)  # a partial save from before a failure
-        t0 = time.perf_counter()
+        t0 = time.time()
         outcomes, _ = group.save(str(path), step)
         if any(o.kind != "ok" for o in outcomes):
             return outcomes
-        blocking = time.perf_counter() - t0
+        blocking = time.time() - t0
         ref = group.commit(str(path), step, len(group.active), self.zero_stage, self.keep_last)
         self._inflight = (ref, step, path, t0, blocking)
         self.last_saved_step = step
@@ -187,8 +189,9 @@ class Checkpointer:
             self.rec.event("checkpoint_failed", step=step, path=str(path), error=str(exc).splitlines()[0])
             self.last_saved_step = None
             return
+        # total_s ends when the committer wrote the manifest, not when the driver looked.
         self.rec.event("checkpoint_saved", step=step, path=str(path), blocking_s=blocking,
-                       total_s=time.perf_counter() - t0, bytes=info.bytes, world_size=info.world_size)
+                       total_s=info.committed_ts - t0, bytes=info.bytes, world_size=info.world_size)
 
     def latest(self) -> CheckpointInfo | None:
         self.wait()

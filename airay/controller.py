@@ -89,7 +89,9 @@ class Controller:
         self.step_times: dict[int, float] = {}
         self.fired: set[int] = set()
         self.pending_resize: _PendingResize | None = None
-        self.verdict: RoundVerdict | None = None
+        self.verdict: RoundVerdict | None = None  # the failure being recovered from
+        self.t_detect = 0.0  # when it was first noticed
+        self.detection_s: float | None = None  # injected fault -> noticed, when the fault was ours
         self.t_start = time.time()
 
     # ---- the loop --------------------------------------------------------------------------
@@ -158,13 +160,7 @@ class Controller:
         die_at, after_launch = self._inject(self.step, [c for c in faults if c.at_step == self.step])
         t_launch = time.time()
         outcomes, values = self.group.train(self.step, end, die_at, after_launch)
-        verdict = classify_round(outcomes)
-        if verdict.kind == "user_error":
-            raise RunFailed(verdict.message)
-        if verdict.kind != "ok":
-            self.verdict = verdict
-            self.t_detect = self.group.first_failure_ts or time.time()
-            self.detection_s = self.t_detect - t_launch if die_at or after_launch else None
+        if not self._ok(outcomes, fault_ts=t_launch if die_at or after_launch else None):
             return State.RECOVERING
         self._record_steps(self.step, end, values)
         self.step = end
@@ -189,7 +185,7 @@ class Controller:
             suspect = "unavailable" in outcome.error.lower()
             kind = "node_lost" if node_died(m.node_id, NODE_VERDICT_WAIT_S if suspect else 0.0) else "worker_failed"
             self.rec.event(kind, step=self.step, rank=rank, node_id=m.node_id, outcome=outcome.kind,
-                           error=outcome.error, detection_s=getattr(self, "detection_s", None))
+                           error=outcome.error, detection_s=self.detection_s)
         if verdict.kind == "comm_error":
             self.rec.event("worker_failed", step=self.step, rank=None, outcome="comm_error", error=verdict.message)
         group.drop(list(verdict.lost_ranks))
@@ -267,14 +263,19 @@ class Controller:
                                 for m in self.group.active])
         return True
 
-    def _ok(self, outcomes) -> bool:
+    def _ok(self, outcomes, fault_ts: float | None = None) -> bool:
+        """True if every rank's call succeeded. A user-code error fails the run; any other
+        failure is kept for _recovering (with its detection time; `fault_ts`: when our own
+        chaos struck, for detection_s)."""
         verdict = classify_round(outcomes)
         if verdict.kind == "user_error":
             raise RunFailed(verdict.message)
-        if verdict.kind != "ok":
-            self.verdict, self.t_detect, self.detection_s = verdict, self.group.first_failure_ts or time.time(), None
-            return False
-        return True
+        if verdict.kind == "ok":
+            return True
+        self.verdict = verdict
+        self.t_detect = self.group.first_failure_ts or time.time()
+        self.detection_s = self.t_detect - fault_ts if fault_ts is not None else None
+        return False
 
     def _checkpoint(self) -> bool:
         outcomes = self.ckpt.save(self.group, self.step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import socket
 import stat
@@ -262,8 +263,8 @@ class TrainWorker:
                     os.kill(os.getpid(), signal.SIGKILL)
                 out.append(self._step(step))
         except BaseException:
-            # A peer died mid-collective, or our own code failed: aborting our groups closes our
-            # sockets, so ranks still blocked on us fail fast instead of waiting for a timeout.
+            # A peer died mid-collective, or our own code failed: shutting our world's sockets
+            # down makes ranks still blocked on us fail fast instead of waiting for a timeout.
             shutdown_sockets(self._world_sockets)
             self.leave()
             raise
@@ -273,13 +274,11 @@ class TrainWorker:
         import torch
 
         t0 = time.perf_counter()
-        data_wait = 0.0
+        batches = self._user(self.data.micro_batches, step, self.rank, self.plan)
+        data_wait = time.perf_counter() - t0
         loss_sum = 0.0
-        for micro in range(self.plan.grad_accum_steps):
-            td = time.perf_counter()
-            batch = self._user(self._micro_batch, step, micro)
-            data_wait += time.perf_counter() - td
-            loss = self._user(self.loss_fn, self.engine, batch)
+        for batch in batches:
+            loss = self._user(self.loss_fn, self.engine, {k: v.to(self.device) for k, v in batch.items()})
             self.engine.backward(loss)
             self.engine.step()
             loss_sum += float(loss.detach()) * self.plan.micro_batch_size
@@ -287,12 +286,6 @@ class TrainWorker:
             torch.cuda.synchronize()
         return {"step": step, "loss_sum": loss_sum, "step_time_s": time.perf_counter() - t0,
                 "data_wait_s": data_wait}
-
-    def _micro_batch(self, step: int, micro: int):
-        if micro == 0:
-            self._batches = self.data.micro_batches(step, self.rank, self.plan)
-        batch = self._batches[micro]
-        return {k: v.to(self.device) for k, v in batch.items()}
 
     def _user(self, fn, *args, **kwargs):
         """Call user code; its exceptions become UserCodeError carrying the original traceback."""
@@ -331,7 +324,16 @@ def _disable_cpu_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
+_COMM_ERROR_TEXT = re.compile(r"\bgloo\b|\bnccl\b|connection (reset|closed|refused)|timed out", re.IGNORECASE)
+
+
 def _is_comm_error(exc: BaseException) -> bool:
-    # A peer's death surfaces inside backward/step as a gloo/NCCL error, not a user bug.
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(s in text for s in ("gloo", "nccl", "connection", "distbackenderror", "timed out", "peer"))
+    """A peer's death surfaces inside forward/backward/step as a collective failure, not a user
+    bug. torch raises DistError for NCCL and the store, but gloo's transport errors are plain
+    RuntimeErrors naming gloo's source, so those are told by their text (only RuntimeErrors:
+    a TypeError from a model factory is the user's, whatever its message says)."""
+    import torch.distributed as tdist
+
+    if isinstance(exc, tdist.DistError):
+        return True
+    return type(exc) is RuntimeError and bool(_COMM_ERROR_TEXT.search(str(exc)))

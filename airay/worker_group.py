@@ -105,8 +105,8 @@ class WorkerGroup:
                 self.start_failures.append(str(exc).splitlines()[0])
                 self._start(m.pg, m.bundle_index)  # died while starting: try its slot again
                 continue
-            except ray.exceptions.RayTaskError as exc:  # bad spec on the worker side: no retry
-                raise RuntimeError(f"worker failed to start: {exc}") from exc
+            except ray.exceptions.RayTaskError as exc:  # the user's model or spec fails: no retry
+                raise RuntimeError(f"a worker failed to start: {getattr(exc, 'cause', None) or exc}") from exc
             self.standby.append(m)
             newly.append(m)
         return newly
@@ -190,14 +190,12 @@ class WorkerGroup:
     def member(self, rank: int) -> Member:
         return self.active[rank]
 
-    def drop(self, ranks: list[int]) -> list[Member]:
+    def drop(self, ranks: list[int]) -> None:
         """Remove lost ranks from the world, kill what is left of them, start replacements."""
-        lost = [self.active[r] for r in ranks]
-        for m in lost:
+        for m in [self.active[r] for r in ranks]:
             self.active.remove(m)
             ray.kill(m.actor, no_restart=True)
             self._start(m.pg, m.bundle_index)
-        return lost
 
     def leave_all(self) -> None:
         """Survivors of a failed round leave their broken process group (errors ignored)."""

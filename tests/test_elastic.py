@@ -136,3 +136,13 @@ def test_gpu_scheduling_path_with_logical_gpus(tmp_path, local_cluster):
     assert len({w["node_id"] for w in workers}) == 2
     assert all(w["device"] == "cpu" and w["backend"] == "gloo" for w in workers)
     assert_released()
+
+
+def test_user_code_error_fails_fast_with_rank_and_traceback(tmp_path, local_cluster):
+    local_cluster(nodes=2)
+    result = fit(spec(tmp_path, "bad-model", 2, scaling={"min_workers": 1, "max_workers": 2},
+                      model={"factory": "airay.models.tiny_gpt:build", "kwargs": {"n_layerz": 2}}), echo=False)
+    assert result.status == "failed" and result.restarts == 0 and result.world_sizes == []
+    assert "rank 0: TypeError" in result.error and "unexpected keyword argument 'n_layerz'" in result.error
+    assert "Traceback" in result.error and "tiny_gpt.py" in result.error
+    assert_released()

@@ -1,9 +1,10 @@
 """Elasticity on a real multi-node Ray cluster (ray.cluster_utils raylets on this machine).
 
 Tolerance for loss equality: fp32 everywhere; a world of 3 sums gradients in a different order
-(and groups samples into different micro-batches) than a world of 4, which moves the loss by
-~1e-7 relative per step here. rtol=1e-4 leaves room for that to accumulate over the run while a
-wrong sample, a lost optimizer moment or a skipped LR step moves the loss by >1e-3.
+(and groups samples into different micro-batches) than a world of 4, so losses agree to float
+rounding, not bit for bit. rtol=1e-4 leaves room for that rounding to accumulate over 60 steps,
+while a wrong sample, a lost optimizer moment or a skipped LR step moves the loss by far more
+(the loss falls by >0.5 over the run, ~1e-2 per step).
 """
 
 import json

@@ -1,4 +1,5 @@
-"""`airay` command line: `airay run JOB.yaml [--run-dir DIR] [--set key.path=value ...]`."""
+"""`airay` command line: `airay run JOB.yaml [--run-dir DIR] [--set key.path=value ...]` and
+`airay simulate [--gpus 1024,4096,16384 ...]` (goodput per recovery policy, see airay.simulate)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a spec field, value parsed as YAML (repeatable)")
     run.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim = sub.add_parser("simulate", help="simulate weeks of training on a large fleet: goodput per policy")
+    sim.add_argument("--gpus", default="1024,4096,16384", help="comma-separated fleet sizes")
+    sim.add_argument("--gpus-per-node", type=int, default=8)
+    sim.add_argument("--mtbf-hours", type=float, default=50_000.0, help="per-GPU mean time between failures")
+    sim.add_argument("--replacement-s", type=float, default=1800.0, help="until a failed node is back")
+    sim.add_argument("--checkpoint-s", type=float, default=30.0, help="training time blocked per checkpoint")
+    sim.add_argument("--warm-recovery-s", type=float, default=None, help="default: airay's measured value")
+    sim.add_argument("--cold-restart-s", type=float, default=None, help="default: airay's measured value")
+    sim.add_argument("--interval-s", type=float, default=None, help="checkpoint interval; default Daly's optimum")
+    sim.add_argument("--days", type=float, default=14.0)
+    sim.add_argument("--repeats", type=int, default=3)
+    sim.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
+
+    if args.command == "simulate":
+        return _simulate(args)
 
     if args.command == "run":
         overrides = list(args.set) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
@@ -45,6 +61,41 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result.__dict__, indent=2, default=str) if args.json else _summary(result))
         return 0 if result.status == "finished" else 1
     return 2
+
+
+def _simulate(args) -> int:
+    from airay import simulate as sim
+
+    try:
+        gpus = [int(g) for g in args.gpus.split(",") if g]
+    except ValueError:
+        print(f"airay: --gpus '{args.gpus}' must be comma-separated integers, e.g. 1024,4096", file=sys.stderr)
+        return 2
+    costs = sim.Costs(checkpoint_s=args.checkpoint_s,
+                      warm_recovery_s=args.warm_recovery_s if args.warm_recovery_s is not None
+                      else sim.MEASURED_WARM_RECOVERY_S,
+                      cold_restart_s=args.cold_restart_s if args.cold_restart_s is not None
+                      else sim.MEASURED_COLD_RESTART_S)
+    fleet = sim.Fleet(gpus=gpus[0], gpus_per_node=args.gpus_per_node, mtbf_gpu_hours=args.mtbf_hours,
+                      replacement_s=args.replacement_s)
+    try:
+        rows = sim.compare(gpus, fleet, costs, args.interval_s, args.days, args.repeats)
+    except ValueError as exc:
+        print(f"airay: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{args.days:g} days, per-GPU MTBF {args.mtbf_hours:g} h, node back after {args.replacement_s:g} s, "
+          f"checkpoint {costs.checkpoint_s:g} s, warm recovery {costs.warm_recovery_s:g} s, "
+          f"cold restart {costs.cold_restart_s:g} s; median of {args.repeats}")
+    print(f"{'gpus':>6} {'fleet MTBF h':>12} {'interval s':>10} {'policy':>8} {'goodput':>8} {'min':>6} {'max':>6} "
+          f"{'failures':>8} {'lost':>6} {'recov':>6} {'ckpt':>6}")
+    for r in rows:
+        print(f"{r['gpus']:>6} {r['fleet_mtbf_h']:>12.2f} {r['interval_s']:>10.0f} {r['policy']:>8} "
+              f"{r['goodput']:>8.4f} {r['goodput_min']:>6.3f} {r['goodput_max']:>6.3f} {r['failures']:>8} "
+              f"{r['lost_work_share']:>6.3f} {r['recovery_share']:>6.3f} {r['checkpoint_share']:>6.3f}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,3 +21,16 @@ def test_recovery_benchmark_reduced(tmp_path):
     med = numbers["median"]
     assert 0 < med["detection_s"] <= med["recovery_s"] < numbers["cold_median_s"]
     assert med["reform_s"] > 0 and med["reload_s"] > 0
+
+
+def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--reduced", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = out.read_text()
+    for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput"):
+        assert heading in text
+    # Every table row carries a number, and each section names the command that produced it.
+    assert text.count("`python benchmarks/") == 3 and "`airay simulate --gpus 1024" in text
+    assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text

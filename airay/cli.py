@@ -1,5 +1,7 @@
-"""`airay` command line: `airay run JOB.yaml [--run-dir DIR] [--set key.path=value ...]` and
-`airay simulate [--gpus 1024,4096,16384 ...]` (goodput per recovery policy, see airay.simulate)."""
+"""`airay` command line: `airay run JOB.yaml [--run-dir DIR] [--set key.path=value ...]`,
+`airay submit JOB.yaml` / `airay status` / `airay logs JOB_ID` (a job on a running cluster, see
+airay.submit), `airay plot RUN_DIR` and `airay simulate [--gpus 1024,4096,16384 ...]` (goodput
+per recovery policy, see airay.simulate)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ def _summary(result) -> str:
     lines = [f"airay: {result.status} at step {result.final_step}, loss {result.final_loss}, "
              f"restarts {result.restarts}, world sizes {result.world_sizes}, goodput {result.goodput:.2f}, "
              f"wall {result.wall_s:.1f}s", f"airay: run directory {result.run_dir}"]
+    if result.time_lost_s:
+        lines.append("airay: time lost: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s"
+                                                      for k, v in result.time_lost_s.items()))
     for r in result.resizes:
         lines.append(f"airay: resize {r['old_world_size']} -> {r['new_world_size']} ({r['reason']}) at step "
                      f"{r['resumed_step']}: recovery {r['recovery_s']:.2f}s")
@@ -31,6 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a spec field, value parsed as YAML (repeatable)")
     run.add_argument("--json", action="store_true", help="print the result as JSON")
+    addr_help = "Ray dashboard address, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS, else the local cluster)"
+    submit = sub.add_parser("submit", help="submit a job spec to a running Ray cluster (Ray's Job API)")
+    submit.add_argument("spec", help="job spec YAML, inside the working directory")
+    submit.add_argument("--address", help=addr_help)
+    submit.add_argument("--working-dir", default=".", help="project directory uploaded as the job's working_dir")
+    submit.add_argument("--run-dir", help="run directory on the cluster (default runs/NAME-TIMESTAMP there)")
+    submit.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override a spec field, value parsed as YAML (repeatable)")
+    status = sub.add_parser("status", help="a run's progress, goodput and faults (RUN_DIR or --job JOB_ID)")
+    status.add_argument("run_dir", nargs="?", help="run directory")
+    status.add_argument("--job", help="a submitted job's id (from `airay submit`)")
+    status.add_argument("--address", help=addr_help)
+    logs = sub.add_parser("logs", help="a submitted job's output")
+    logs.add_argument("job_id")
+    logs.add_argument("--address", help=addr_help)
+    logs.add_argument("--follow", action="store_true", help="stream until the job ends")
+    plot = sub.add_parser("plot", help="PNG of a run: loss, world size, throughput, faults, goodput")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="PNG path (default RUN_DIR/run.png)")
     sim = sub.add_parser("simulate", help="simulate weeks of training on a large fleet: goodput per policy")
     sim.add_argument("--gpus", default="1024,4096,16384", help="comma-separated fleet sizes")
     sim.add_argument("--gpus-per-node", type=int, default=8)
@@ -47,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "simulate":
         return _simulate(args)
+    if args.command in ("submit", "status", "logs"):
+        return _jobs(args)
+    if args.command == "plot":
+        from airay.plot import plot_run
+
+        try:
+            drawn = plot_run(args.run_dir, args.out)
+        except FileNotFoundError as exc:
+            print(f"airay: {exc}", file=sys.stderr)
+            return 2
+        print(f"airay: wrote {drawn['path']} ({drawn['title']})")
+        return 0
 
     if args.command == "run":
         overrides = list(args.set) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
@@ -61,6 +97,45 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result.__dict__, indent=2, default=str) if args.json else _summary(result))
         return 0 if result.status == "finished" else 1
     return 2
+
+
+def _jobs(args) -> int:
+    from airay import submit
+
+    if args.command == "status" and args.job is None:
+        if args.run_dir is None:
+            print("airay: give a run directory or --job JOB_ID", file=sys.stderr)
+            return 2
+        from airay.runview import load, status_text
+
+        try:
+            print(status_text(load(args.run_dir)))
+        except FileNotFoundError as exc:
+            print(f"airay: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        if args.command == "submit":
+            job_id = submit.submit(args.address, args.spec, args.set, args.run_dir, args.working_dir)
+            print(job_id)
+            print(f"airay: follow it with `airay logs {job_id} --follow` or `airay status --job {job_id}`",
+                  file=sys.stderr)
+            return 0
+        if args.command == "status":
+            state, text = submit.job_status_text(args.address, args.job)
+            print(text)
+            return 0 if state != "FAILED" else 1
+        if args.follow:
+            return 0 if submit.follow_logs(args.address, args.job_id, sys.stdout) == "SUCCEEDED" else 1
+        print(submit.client(args.address).get_job_logs(args.job_id), end="")
+        return 0
+    except ConfigError as exc:
+        print(f"airay: {exc}", file=sys.stderr)
+        return 2
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        # Ray's Job API reports an unreachable dashboard or an unknown job id this way.
+        print(f"airay: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _simulate(args) -> int:

@@ -14,13 +14,14 @@ from typing import Any
 
 import ray
 
-from airay import policy
+from airay import goodput, policy
 from airay.checkpoint import CheckpointInfo, Checkpointer
 from airay.config import JobConfig
-from airay.events import RunRecorder
+from airay.events import RunRecorder, read_jsonl
 from airay.health import RoundVerdict, classify_round
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
+from airay.telemetry import Telemetry, eta_s, progress_line
 from airay.worker_group import WorkerGroup, node_died
 
 
@@ -50,12 +51,13 @@ class Result:
     final_loss: float | None
     restarts: int
     world_sizes: list[int]
-    goodput: float
+    goodput: float  # time on steps that were kept / wall time (airay.goodput)
     wall_s: float
     run_dir: str
     checkpoint: str | None = None
     error: str | None = None
     resizes: list[dict[str, Any]] = field(default_factory=list)
+    time_lost_s: dict[str, float] = field(default_factory=dict)  # per cause, see airay.goodput.CAUSES
 
 
 @dataclass
@@ -93,12 +95,15 @@ class Controller:
         self.t_detect = 0.0  # when it was first noticed
         self.detection_s: float | None = None  # injected fault -> noticed, when the fault was ours
         self.t_start = time.time()
+        self.telemetry = Telemetry(config.name, recorder.run_dir)
+        self._last_round_end: float | None = None  # for the ETA: the pace of the last round
 
     # ---- the loop --------------------------------------------------------------------------
 
     def run(self) -> Result:
-        self.rec.event("run_started", run_dir=str(self.rec.run_dir), max_steps=self.cfg.max_steps,
-                       global_batch_size=self.cfg.global_batch_size)
+        # Wall time (and goodput) is measured from this event, as airay.goodput does from the file.
+        self.t_start = self.rec.event("run_started", run_dir=str(self.rec.run_dir), max_steps=self.cfg.max_steps,
+                                      global_batch_size=self.cfg.global_batch_size)["ts"]
         error = None
         try:
             while self.state not in (State.FINISHED, State.FAILED):
@@ -110,6 +115,7 @@ class Controller:
         finally:
             if self.group is not None:
                 self.group.shutdown()
+            self.telemetry.close()
         return self._result(error)
 
     # ---- states ----------------------------------------------------------------------------
@@ -323,15 +329,23 @@ class Controller:
     def _record_steps(self, start: int, end: int, values: list[list[dict]]) -> None:
         world = len(values)
         gbs = self.cfg.global_batch_size
+        now = time.time()
         for i, step in enumerate(range(start, end)):
             per_rank = [v[i] for v in values]
             loss = sum(r["loss_sum"] for r in per_rank) / gbs
-            step_time = max(r["step_time_s"] for r in per_rank)
+            # The step took as long as its slowest rank; its split is that rank's, so the parts add up.
+            slowest = max(per_rank, key=lambda r: r["step_time_s"])
+            step_time = slowest["step_time_s"]
+            tokens = sum(r.get("tokens", 0) for r in per_rank)
             self.losses[step] = loss
             self.step_times[step] = step_time
-            self.rec.metric(step=step, loss=loss, world_size=world, global_batch_size=gbs,
-                            samples_per_s=gbs / step_time if step_time > 0 else 0.0, step_time_s=step_time,
-                            data_wait_s=max(r["data_wait_s"] for r in per_rank), ts=time.time())
+            metric = dict(step=step, loss=loss, world_size=world, global_batch_size=gbs,
+                          samples_per_s=gbs / step_time if step_time > 0 else 0.0, step_time_s=step_time,
+                          data_wait_s=slowest["data_wait_s"], compute_s=slowest.get("compute_s"),
+                          comm_s=slowest.get("comm_s"),
+                          tokens_per_s=tokens / step_time if tokens and step_time > 0 else None, ts=now)
+            self.rec.metric(**metric)
+            self.telemetry.step(metric, self.restarts, sum(self.step_times.values()) / max(1e-9, now - self.t_start))
         if self.pending_resize is not None:
             p = self.pending_resize
             self.pending_resize = None
@@ -340,24 +354,27 @@ class Controller:
                                     resumed_step=p.resumed_step, reason=p.reason,
                                     **{k: round(v, 4) for k, v in p.parts.items()})
             self.resizes.append(record)
-        elapsed = time.time() - self.t_start
-        done = end
-        eta = elapsed / max(1, done) * (self.cfg.max_steps - done)
-        self.rec.progress(f"[airay] step {done}/{self.cfg.max_steps} loss {self.losses[end - 1]:.4f} "
-                          f"world {world} samples/s {gbs / self.step_times[end - 1]:.1f} eta {eta:.0f}s")
+        pace = (now - self._last_round_end) / (end - start) if self._last_round_end is not None else step_time
+        self._last_round_end = now
+        self.rec.progress(progress_line(end, self.cfg.max_steps, loss, metric["samples_per_s"], metric["tokens_per_s"],
+                                        world, self.restarts, eta_s(self.cfg.max_steps - end, pace)))
 
     def _result(self, error: str | None) -> Result:
-        wall = time.time() - self.t_start
+        end = time.time()
+        wall = end - self.t_start
         ok = self.state == State.FINISHED
         final = self.ckpt.latest() if ok else None
         result = Result(status="finished" if ok else "failed", final_step=self.step,
                         final_loss=self.losses.get(self.step - 1), restarts=self.restarts,
-                        world_sizes=self.world_sizes, goodput=sum(self.step_times.values()) / wall if wall else 0.0,
+                        world_sizes=self.world_sizes, goodput=0.0,
                         wall_s=wall, run_dir=str(self.rec.run_dir), checkpoint=str(final.path) if final else None,
                         error=error, resizes=self.resizes)
+        run_dir = self.rec.run_dir
+        g = goodput.compute(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), end_ts=end)
+        result.goodput, result.time_lost_s = g.goodput, {k: round(v, 4) for k, v in g.lost_s.items()}
         if ok:
             self.rec.event("run_finished", step=self.step, final_loss=result.final_loss, restarts=self.restarts,
-                           goodput=result.goodput, wall_s=wall)
+                           goodput=result.goodput, wall_s=wall, time_lost_s=result.time_lost_s)
         else:
             self.rec.event("run_failed", step=self.step, error=error)
         self.rec.write_result(asdict(result))

@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# step_time_s = data_wait_s + compute_s + comm_s (the slowest rank's split, see airay.commtime);
+# tokens_per_s is null for batches without token ids.
 METRIC_FIELDS = ("step", "loss", "world_size", "global_batch_size", "samples_per_s", "step_time_s",
-                 "data_wait_s", "ts")
+                 "data_wait_s", "compute_s", "comm_s", "tokens_per_s", "ts")
 
 
 class RunRecorder:

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from airay import commtime
 from airay.config import JobConfig, resolve_callable
 from airay.data import SyntheticSource
 from airay.policy import BatchPlan
@@ -135,6 +136,7 @@ class TrainWorker:
         self.plan: BatchPlan | None = None
         self._world_sockets: dict[int, int] = {}
         torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
+        commtime.install()  # before DeepSpeed binds the collectives (see airay.commtime)
 
     # ---- introspection -----------------------------------------------------------------
 
@@ -276,6 +278,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         batches = self._user(self.data.micro_batches, step, self.rank, self.plan)
         data_wait = time.perf_counter() - t0
+        comm0 = commtime.seconds()
         loss_sum = 0.0
         for batch in batches:
             loss = self._user(self.loss_fn, self.engine, {k: v.to(self.device) for k, v in batch.items()})
@@ -284,8 +287,11 @@ class TrainWorker:
             loss_sum += float(loss.detach()) * self.plan.micro_batch_size
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-        return {"step": step, "loss_sum": loss_sum, "step_time_s": time.perf_counter() - t0,
-                "data_wait_s": data_wait}
+        step_time = time.perf_counter() - t0
+        comm = commtime.seconds() - comm0
+        return {"step": step, "loss_sum": loss_sum, "step_time_s": step_time, "data_wait_s": data_wait,
+                "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
+                "tokens": sum(token_count(b) for b in batches)}
 
     def _user(self, fn, *args, **kwargs):
         """Call user code; its exceptions become UserCodeError carrying the original traceback."""
@@ -295,6 +301,16 @@ class TrainWorker:
             if _is_comm_error(exc):
                 raise
             raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
+
+
+def token_count(batch: dict[str, Any]) -> int:
+    """Tokens in a micro-batch: the elements of its token ids ('input_ids' or 'tokens', an
+    integer tensor of shape [batch, seq]); 0 for batches without a token dimension."""
+    for key in ("input_ids", "tokens"):
+        ids = batch.get(key)
+        if ids is not None and getattr(ids, "dim", lambda: 0)() >= 2 and not ids.is_floating_point():
+            return int(ids.numel())
+    return 0
 
 
 def _reset_zero3_globals() -> None:

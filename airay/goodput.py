@@ -1,0 +1,111 @@
+"""Goodput of a run, and where the rest of its wall time went — from its events and metrics.
+
+goodput = time spent on steps that were kept / wall time. A step is kept by its last metrics
+record; an earlier record of the same step is work that was thrown away by a rollback to an
+older checkpoint and done again ("replayed_steps"). The rest of the wall time is split by cause:
+
+- startup: run start until the first world is formed (placement, actor start, engine build,
+  loading a checkpoint to resume from).
+- recovery: each resize window, from where the world stopped making progress (for a failure:
+  the end of the last committed round before it was detected, so the cut round's work counts
+  here; for a grow: the moment the grow began) until the new world is formed. A checkpoint
+  taken inside the window is counted under checkpoint_blocking, not twice.
+- replayed_steps: earlier executions of steps that were executed again after a rollback.
+- checkpoint_blocking: the time training was blocked by checkpoint saves (`blocking_s`).
+- other: the remainder — the driver's bookkeeping between rounds, waiting for the final
+  checkpoint to commit, and rounding. It makes the causes add up to the wall time exactly.
+
+One pure function used by result.json, `airay status` and the plot, so they always agree.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from airay.events import read_jsonl
+
+CAUSES = ("startup", "recovery", "replayed_steps", "checkpoint_blocking", "other")
+
+
+@dataclass
+class Goodput:
+    wall_s: float
+    kept_step_s: float
+    goodput: float
+    lost_s: dict[str, float] = field(default_factory=dict)
+    kept_steps: int = 0
+    replayed_steps: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kept_records(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The record each step was kept by: its last one (a replayed step's later line wins)."""
+    return {m["step"]: m for m in metrics}
+
+
+def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts: float | None = None) -> Goodput:
+    """Goodput and lost time per cause. `end_ts`: the end of the run (default: its
+    run_finished/run_failed event, else the last record seen — a run still going)."""
+    started = next((e["ts"] for e in events if e["type"] == "run_started"), None)
+    if started is None:
+        return Goodput(0.0, 0.0, 0.0, {c: 0.0 for c in CAUSES})
+    if end_ts is None:
+        ends = [e["ts"] for e in events if e["type"] in ("run_finished", "run_failed")]
+        end_ts = ends[-1] if ends else max([started] + [e["ts"] for e in events] + [m["ts"] for m in metrics])
+    wall = max(0.0, end_ts - started)
+
+    kept = kept_records(metrics)
+    kept_s = sum(m["step_time_s"] for m in kept.values())
+    replayed = len(metrics) - len(kept)
+    replayed_s = sum(m["step_time_s"] for m in metrics) - kept_s
+
+    formed = [e["ts"] for e in events if e["type"] == "world_formed"]
+    resizes = [e for e in events if e["type"] == "resize_finished"]
+    starts = [e for e in events if e["type"] == "resize_started"]
+    # A resize window starts where recovery_s starts (detection, or the start of a grow) and ends
+    # when the new world is formed; recovery_s itself also holds the first step at the new size,
+    # which is kept work, so the window ends at world_formed instead.
+    windows = []
+    for r in resizes:
+        t0 = r["ts"] - r["recovery_s"]
+        t1 = next((t for t in formed if t >= t0), r["ts"])
+        if r.get("reason") == "failure":
+            # Work of the round the failure cut short was lost too: start at the last progress.
+            progress = [m["ts"] for m in metrics if m["ts"] <= t0] + [t for t in formed if t <= t0]
+            if progress:
+                t0 = max(progress)
+        # The step the world was at when this resize began (its last resize_started).
+        at_step = next((e.get("step") for e in reversed(starts) if e["ts"] <= r["ts"]), None)
+        windows.append((t0, t1, r, at_step))
+    first_progress = min(formed + [w[0] for w in windows]) if formed else end_ts
+    startup = max(0.0, first_progress - started)
+
+    saves = [e for e in events if e["type"] == "checkpoint_saved"]
+    blocking = sum(e.get("blocking_s", 0.0) for e in saves)
+    recovery = 0.0
+    for t0, t1, r, at_step in windows:
+        inside = r.get("checkpoint_s", 0.0)  # a grow checkpoints first, inside its window
+        if r.get("reason") == "failure":
+            # The checkpoint at the step the failed round started from was saved after the last
+            # progress mark and before the round: inside the window.
+            inside = sum(e.get("blocking_s", 0.0) for e in saves if e.get("step") == at_step)
+        recovery += max(0.0, t1 - t0 - inside)
+
+    lost = {"startup": startup, "recovery": recovery, "replayed_steps": replayed_s,
+            "checkpoint_blocking": blocking}
+    lost["other"] = max(0.0, wall - kept_s - sum(lost.values()))
+    return Goodput(wall_s=wall, kept_step_s=kept_s, goodput=kept_s / wall if wall > 0 else 0.0,
+                   lost_s={c: lost[c] for c in CAUSES}, kept_steps=len(kept), replayed_steps=replayed)
+
+
+def of_run(run_dir: str | os.PathLike, live: bool = False) -> Goodput:
+    """compute() on a run directory; `live`: the run is still going, so it ends now."""
+    run_dir = Path(run_dir)
+    return compute(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"),
+                   end_ts=time.time() if live else None)

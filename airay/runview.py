@@ -1,0 +1,93 @@
+"""What a run directory says about a run, read once for `airay status` (text) and `airay plot` (PNG).
+
+Works on a finished run and on one still going (the files are appended line by line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from airay import goodput
+from airay.events import read_jsonl
+
+FAULT_EVENTS = ("worker_failed", "node_lost", "hang_detected")
+
+
+@dataclass
+class RunView:
+    run_dir: Path
+    name: str
+    max_steps: int | None
+    status: str  # running | finished | failed
+    t0: float  # run_started ts; times below are seconds from it
+    metrics: list[dict[str, Any]]  # every record, replays included, in order
+    kept: dict[int, dict[str, Any]]  # step -> the record it was kept by
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    resizes: list[dict[str, Any]] = field(default_factory=list)
+    goodput: goodput.Goodput | None = None
+    restarts: int = 0
+    error: str | None = None
+
+
+def load(run_dir: str | os.PathLike) -> RunView:
+    run_dir = Path(run_dir)
+    if not (run_dir / "events.jsonl").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no events.jsonl); give the directory "
+                                "`airay run` printed, e.g. runs/demo-20261202-192830")
+    events = read_jsonl(run_dir / "events.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    ends = [e for e in events if e["type"] in ("run_finished", "run_failed")]
+    status = "running" if not ends else ("finished" if ends[-1]["type"] == "run_finished" else "failed")
+    started = next((e["ts"] for e in events if e["type"] == "run_started"), events[0]["ts"] if events else 0.0)
+    error = ends[-1].get("error") if ends and status == "failed" else None
+    result_file = run_dir / "result.json"
+    if error is None and status == "failed" and result_file.is_file():
+        error = json.loads(result_file.read_text()).get("error")
+    return RunView(
+        run_dir=run_dir, name=config.get("name", run_dir.name), max_steps=config.get("max_steps"), status=status,
+        t0=started, metrics=metrics, kept=goodput.kept_records(metrics),
+        faults=[e for e in events if e["type"] in FAULT_EVENTS],
+        checkpoints=[e for e in events if e["type"] == "checkpoint_saved"],
+        resizes=[e for e in events if e["type"] == "resize_finished"],
+        goodput=goodput.compute(events, metrics, end_ts=time.time() if status == "running" else None),
+        restarts=sum(1 for e in events if e["type"] == "resize_started" and e.get("reason") == "failure"),
+        error=error)
+
+
+def status_text(view: RunView) -> str:
+    """The run as a few plain lines: progress, throughput, world, goodput and where time went."""
+    g = view.goodput
+    last = view.metrics[-1] if view.metrics else None
+    step = max(view.kept) + 1 if view.kept else 0
+    lines = [f"run {view.name} ({view.run_dir}): {view.status}, step {step}/{view.max_steps or '?'}, "
+             f"wall {g.wall_s:.1f}s"]
+    if last is not None:
+        tokens = f", tokens/s {last['tokens_per_s']:.0f}" if last.get("tokens_per_s") else ""
+        split = ""
+        if last.get("compute_s") is not None:
+            split = (f" (compute {last['compute_s']:.3f}s, communication {last['comm_s']:.3f}s, "
+                     f"data wait {last['data_wait_s']:.3f}s)")
+        lines.append(f"last step {last['step']}: loss {last['loss']:.4f}, world {last['world_size']}, "
+                     f"samples/s {last['samples_per_s']:.1f}{tokens}, step time {last['step_time_s']:.3f}s{split}")
+    lost = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in g.lost_s.items())
+    lines.append(f"goodput {g.goodput:.2f}: kept steps {g.kept_step_s:.1f}s of {g.wall_s:.1f}s; lost: {lost}")
+    lines.append(f"restarts {view.restarts}, replayed step executions {g.replayed_steps}, "
+                 f"checkpoints {len(view.checkpoints)}"
+                 + (f" (last at step {view.checkpoints[-1]['step']})" if view.checkpoints else ""))
+    for f in view.faults:
+        lines.append(f"  {f['ts'] - view.t0:7.1f}s  {f['type']} rank {f.get('rank')} at step {f.get('step')}")
+    for r in view.resizes:
+        lines.append(f"  {r['ts'] - view.t0:7.1f}s  resize {r['old_world_size']} -> {r['new_world_size']} "
+                     f"({r.get('reason')}) at step {r.get('resumed_step')}: recovery {r['recovery_s']:.2f}s")
+    if view.error:
+        lines.append(f"error: {view.error.splitlines()[0]}")
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""Live metrics of a run: Ray's metrics (Prometheus endpoint, dashboard), TensorBoard, and the
+progress line on the driver.
+
+The controller calls `Telemetry.step` once per committed step and `Telemetry.round` once per
+round. Ray metrics are tagged by run name, so several runs on one cluster stay apart; Ray exports
+them as `ray_airay_<name>` on each node's metrics port. TensorBoard events go to
+RUN_DIR/tensorboard; a replayed step is written again with the same step number, and
+TensorBoard's reader drops the orphaned later points of the earlier execution on load.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+# metrics.jsonl field -> (Ray gauge name, description). The same names, under "airay/", in TensorBoard.
+GAUGES = {
+    "loss": ("airay_loss", "training loss of the last committed step"),
+    "samples_per_s": ("airay_samples_per_s", "global samples per second of the last step"),
+    "tokens_per_s": ("airay_tokens_per_s", "global tokens per second of the last step"),
+    "step_time_s": ("airay_step_time_s", "wall time of the last step (slowest rank)"),
+    "compute_s": ("airay_compute_s", "part of the last step spent computing"),
+    "comm_s": ("airay_comm_s", "part of the last step blocked in collectives"),
+    "data_wait_s": ("airay_data_wait_s", "part of the last step waiting for data"),
+    "world_size": ("airay_world_size", "workers in the world"),
+    "step": ("airay_step", "last committed step"),
+}
+RUN_GAUGES = {
+    "restarts": ("airay_restarts", "failures recovered from so far"),
+    "goodput": ("airay_goodput", "kept step time / wall time so far"),
+}
+
+
+def progress_line(step: int, max_steps: int, loss: float, samples_per_s: float, tokens_per_s: float | None,
+                  world_size: int, restarts: int, eta_s: float | None) -> str:
+    """One plain line (no carriage return, no colour) so it reads the same in `ray job logs`."""
+    parts = [f"[airay] step {step}/{max_steps}", f"loss {loss:.4f}", f"samples/s {samples_per_s:.1f}"]
+    if tokens_per_s:
+        parts.append(f"tokens/s {tokens_per_s:.0f}")
+    parts += [f"world {world_size}", f"restarts {restarts}", f"eta {_duration(eta_s)}"]
+    return " ".join(parts)
+
+
+def eta_s(remaining_steps: int, recent_s_per_step: float | None) -> float | None:
+    """Time left at the recent pace (the last round's wall per step, driver overhead included)."""
+    if recent_s_per_step is None or recent_s_per_step <= 0:
+        return None
+    return remaining_steps * recent_s_per_step
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Telemetry:
+    def __init__(self, run_name: str, run_dir: str | Path, ray_metrics: bool = True, tensorboard: bool = True):
+        self.tags = {"run": run_name}
+        self._gauges: dict[str, Any] = {}
+        if ray_metrics:
+            from ray.util.metrics import Gauge
+
+            for key, (name, desc) in {**GAUGES, **RUN_GAUGES}.items():
+                self._gauges[key] = Gauge(name, desc, tag_keys=("run",))
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), flush_secs=5)
+
+    def step(self, record: dict[str, Any], restarts: int, goodput: float) -> None:
+        """One committed step (a metrics.jsonl record) plus the run-level counters at that point."""
+        values = {k: record.get(k) for k in GAUGES}
+        values.update(restarts=restarts, goodput=goodput)
+        for key, value in values.items():
+            if value is None:
+                continue
+            if key in self._gauges:
+                self._gauges[key].set(float(value), tags=self.tags)
+            if self._tb is not None and key != "step":
+                self._tb.add_scalar(f"airay/{key}", float(value), global_step=record["step"],
+                                    walltime=record.get("ts"))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

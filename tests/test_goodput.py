@@ -1,0 +1,70 @@
+"""Goodput and lost time per cause, on hand-built event timelines with known answers."""
+
+import pytest
+
+from airay import goodput
+
+
+def m(step, ts, t=1.0):
+    return {"step": step, "ts": ts, "step_time_s": t, "loss": 1.0}
+
+
+def timeline():
+    """Start at 100, first world at 110; steps 0-4 (1 s each); checkpoint at step 3; a failure
+    at the round starting at step 5, detected at 117, world re-formed at 120 from the step-3
+    checkpoint (steps 3 and 4 replayed); steps 3-9 kept; finished at 130."""
+    events = [
+        {"ts": 100.0, "type": "run_started"},
+        {"ts": 110.0, "type": "world_formed", "step": 0},
+        {"ts": 114.0, "type": "checkpoint_saved", "step": 3, "blocking_s": 0.5},
+        {"ts": 117.5, "type": "resize_started", "step": 5, "reason": "failure"},
+        {"ts": 120.0, "type": "world_formed", "step": 3},
+        {"ts": 121.0, "type": "resize_finished", "step": 3, "recovery_s": 4.0, "reason": "failure"},
+        {"ts": 130.0, "type": "run_finished", "step": 10},
+    ]
+    metrics = [m(0, 113), m(1, 113), m(2, 113), m(3, 115.5), m(4, 115.5),
+               m(3, 121), m(4, 125), *[m(s, 129) for s in range(5, 10)]]
+    return events, metrics
+
+
+def test_kept_steps_only_and_lost_time_by_cause():
+    g = goodput.compute(*timeline())
+    assert g.wall_s == 30.0
+    assert g.kept_steps == 10 and g.replayed_steps == 2
+    assert g.kept_step_s == 10.0 and g.goodput == pytest.approx(10 / 30)
+    assert g.lost_s == pytest.approx({
+        "startup": 10.0,              # 100 -> first world at 110
+        "recovery": 4.5,              # last progress 115.5 -> new world 120 (cut round included)
+        "replayed_steps": 2.0,        # first executions of steps 3 and 4
+        "checkpoint_blocking": 0.5,
+        "other": 3.0,                 # the rest: 30 - 10 - 10 - 4.5 - 2 - 0.5
+    })
+    assert g.kept_step_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)
+
+
+def test_checkpoint_inside_a_window_is_not_counted_twice():
+    events, metrics = timeline()
+    # The step-5 checkpoint was saved after the last round and before the round that failed.
+    events.insert(3, {"ts": 116.5, "type": "checkpoint_saved", "step": 5, "blocking_s": 1.0})
+    g = goodput.compute(events, metrics)
+    assert g.lost_s["checkpoint_blocking"] == pytest.approx(1.5)
+    assert g.lost_s["recovery"] == pytest.approx(3.5)
+    # A grow checkpoints at its step first: that part of its window is checkpoint blocking.
+    grow = [{"ts": 131.0, "type": "resize_started", "step": 10, "reason": "grow"},
+            {"ts": 132.0, "type": "checkpoint_saved", "step": 10, "blocking_s": 0.75},
+            {"ts": 133.0, "type": "world_formed", "step": 10},
+            {"ts": 134.0, "type": "resize_finished", "step": 10, "recovery_s": 3.0, "reason": "grow",
+             "checkpoint_s": 0.75},
+            {"ts": 140.0, "type": "run_finished", "step": 11}]
+    g = goodput.compute([e for e in events if e["type"] != "run_finished"] + grow, metrics + [m(10, 134)])
+    assert g.lost_s["recovery"] == pytest.approx(3.5 + (133 - 131 - 0.75))
+    assert g.lost_s["checkpoint_blocking"] == pytest.approx(2.25)
+
+
+def test_a_run_still_going_ends_now_and_an_empty_one_is_zero():
+    events, metrics = timeline()
+    live = goodput.compute(events[:-1], metrics, end_ts=150.0)
+    assert live.wall_s == 50.0 and live.goodput == pytest.approx(10 / 50)
+    assert goodput.compute(events[:-1], metrics).wall_s == 29.0  # last record seen
+    empty = goodput.compute([], [])
+    assert empty.goodput == 0.0 and set(empty.lost_s) == set(goodput.CAUSES)

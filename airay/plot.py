@@ -46,6 +46,8 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     ax_tput.set_ylabel("samples/s")
     ax_tput.set_xlabel("seconds since start")
     for ax in (ax_world, ax_tput):
+        ax.set_xlim(0, max(drawn["wall_s"], 1e-3))
+    for ax in (ax_world, ax_tput):
         for i, f in enumerate(drawn["faults"]):
             ax.axvline(f["t"], color="tab:red", ls="--", lw=1.5, label="fault" if i == 0 else None)
         for i, c in enumerate(drawn["checkpoint_times"]):
@@ -66,6 +68,7 @@ def series(view: RunView) -> dict[str, Any]:
     kept_ids = {id(r) for r in view.kept.values()}
     replayed = [r for r in view.metrics if id(r) not in kept_ids]
     g = view.goodput
+    t = [end - view.t0 for end in step_end_times(view.metrics)]
     worst = max(g.lost_s, key=g.lost_s.get) if g.wall_s else None
     title = (f"{view.name}: goodput {g.goodput:.2f} ({view.status}, {len(kept_steps)} steps, "
              f"{view.restarts} restarts, wall {g.wall_s:.0f}s"
@@ -74,10 +77,25 @@ def series(view: RunView) -> dict[str, Any]:
         "title": title,
         "loss": (kept_steps, [view.kept[s]["loss"] for s in kept_steps]),
         "replayed": ([r["step"] for r in replayed], [r["loss"] for r in replayed]),
-        "world_size": ([r["ts"] - view.t0 for r in view.metrics], [r["world_size"] for r in view.metrics]),
-        "throughput": ([r["ts"] - view.t0 for r in view.metrics], [r["samples_per_s"] for r in view.metrics]),
+        "world_size": (t, [r["world_size"] for r in view.metrics]),
+        "throughput": (t, [r["samples_per_s"] for r in view.metrics]),
+        "wall_s": g.wall_s,
         "faults": [{"t": f["ts"] - view.t0, "step": f.get("step"), "type": f["type"], "rank": f.get("rank")}
                    for f in view.faults if f.get("rank") is not None],
         "checkpoint_steps": [c["step"] for c in view.checkpoints],
         "checkpoint_times": [c["ts"] - view.t0 for c in view.checkpoints],
     }
+
+
+def step_end_times(metrics: list[dict[str, Any]]) -> list[float]:
+    """When each step ended. A round's records share the time it was recorded (its end), so
+    earlier steps of the round ended that much earlier: by the step times that followed them."""
+    out = [0.0] * len(metrics)
+    later = 0.0
+    for i in range(len(metrics) - 1, -1, -1):
+        if i + 1 < len(metrics) and metrics[i + 1]["ts"] == metrics[i]["ts"]:
+            later += metrics[i + 1]["step_time_s"]
+        else:
+            later = 0.0
+        out[i] = metrics[i]["ts"] - later
+    return out

@@ -68,3 +68,11 @@ def test_a_run_still_going_ends_now_and_an_empty_one_is_zero():
     assert goodput.compute(events[:-1], metrics).wall_s == 29.0  # last record seen
     empty = goodput.compute([], [])
     assert empty.goodput == 0.0 and set(empty.lost_s) == set(goodput.CAUSES)
+
+
+def test_step_end_times_within_a_round():
+    from airay.plot import step_end_times
+
+    # two rounds: steps 0-2 recorded at 10 (1, 2, 3 s each), steps 3-4 recorded at 20
+    ms = [m(0, 10, 1), m(1, 10, 2), m(2, 10, 3), m(3, 20, 1), m(4, 20, 1)]
+    assert step_end_times(ms) == [5, 7, 10, 19, 20]

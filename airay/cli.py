@@ -13,15 +13,15 @@ from airay.config import ConfigError, JobConfig
 
 
 def _summary(result) -> str:
+    from airay.runview import lost_text, resize_text
+
     lines = [f"airay: {result.status} at step {result.final_step}, loss {result.final_loss}, "
              f"restarts {result.restarts}, world sizes {result.world_sizes}, goodput {result.goodput:.2f}, "
              f"wall {result.wall_s:.1f}s", f"airay: run directory {result.run_dir}"]
     if result.time_lost_s:
-        lines.append("airay: time lost: " + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s"
-                                                      for k, v in result.time_lost_s.items()))
+        lines.append(f"airay: time lost: {lost_text(result.time_lost_s)}")
     for r in result.resizes:
-        lines.append(f"airay: resize {r['old_world_size']} -> {r['new_world_size']} ({r['reason']}) at step "
-                     f"{r['resumed_step']}: recovery {r['recovery_s']:.2f}s")
+        lines.append(f"airay: {resize_text(r)}")
     if result.error:
         lines.append(f"airay: error: {result.error}")
     return "\n".join(lines)

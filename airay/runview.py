@@ -63,6 +63,15 @@ def load(run_dir: str | os.PathLike) -> RunView:
         error=error)
 
 
+def resize_text(r: dict[str, Any]) -> str:
+    return (f"resize {r['old_world_size']} -> {r['new_world_size']} ({r.get('reason')}) at step "
+            f"{r.get('resumed_step')}: recovery {r['recovery_s']:.2f}s")
+
+
+def lost_text(lost_s: dict[str, float]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in lost_s.items())
+
+
 def status_text(view: RunView) -> str:
     """The run as a few plain lines: progress, throughput, world, goodput and where time went."""
     g = view.goodput
@@ -78,16 +87,15 @@ def status_text(view: RunView) -> str:
                      f"data wait {last['data_wait_s']:.3f}s)")
         lines.append(f"last step {last['step']}: loss {last['loss']:.4f}, world {last['world_size']}, "
                      f"samples/s {last['samples_per_s']:.1f}{tokens}, step time {last['step_time_s']:.3f}s{split}")
-    lost = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in g.lost_s.items())
-    lines.append(f"goodput {g.goodput:.2f}: kept steps {g.kept_step_s:.1f}s of {g.wall_s:.1f}s; lost: {lost}")
+    lines.append(f"goodput {g.goodput:.2f}: kept steps {g.kept_step_s:.1f}s of {g.wall_s:.1f}s; "
+                 f"lost: {lost_text(g.lost_s)}")
     lines.append(f"restarts {view.restarts}, replayed step executions {g.replayed_steps}, "
                  f"checkpoints {len(view.checkpoints)}"
                  + (f" (last at step {view.checkpoints[-1]['step']})" if view.checkpoints else ""))
     for f in view.faults:
         lines.append(f"  {f['ts'] - view.t0:7.1f}s  {f['type']} rank {f.get('rank')} at step {f.get('step')}")
     for r in view.resizes:
-        lines.append(f"  {r['ts'] - view.t0:7.1f}s  resize {r['old_world_size']} -> {r['new_world_size']} "
-                     f"({r.get('reason')}) at step {r.get('resumed_step')}: recovery {r['recovery_s']:.2f}s")
+        lines.append(f"  {r['ts'] - view.t0:7.1f}s  {resize_text(r)}")
     if view.error:
         lines.append(f"error: {view.error.splitlines()[0]}")
     return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""Pure parts of watching a run: the progress line, the ETA, the collective timer, token counts."""
+
+import torch
+
+from airay import commtime
+from airay.telemetry import eta_s, progress_line
+from airay.worker import free_port, token_count
+
+
+def test_progress_line_is_one_plain_line():
+    line = progress_line(40, 130, 2.31, 412.04, 13184.4, 4, 1, eta_s(90, 0.5))
+    assert line == "[airay] step 40/130 loss 2.3100 samples/s 412.0 tokens/s 13184 world 4 restarts 1 eta 45s"
+    assert progress_line(1, 10, 1.0, 5.0, None, 1, 0, None).endswith("world 1 restarts 0 eta ?")
+    assert progress_line(1, 10, 1.0, 5.0, None, 1, 0, 3725).endswith("eta 1h02m")
+    assert "\r" not in line and "\x1b" not in line
+
+
+def test_token_count_only_for_integer_sequences():
+    assert token_count({"tokens": torch.zeros(4, 33, dtype=torch.long)}) == 132
+    assert token_count({"input_ids": torch.zeros(2, 8, dtype=torch.int32), "tokens": torch.zeros(1, 1)}) == 16
+    assert token_count({"x": torch.zeros(4, 10)}) == 0
+    assert token_count({"tokens": torch.zeros(4, 10)}) == 0  # float features are not token ids
+
+
+def test_collective_time_is_counted_once_per_outermost_call():
+    import torch.distributed as dist
+
+    commtime.install()
+    commtime.install()  # idempotent: wrapping twice would count twice
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        before = commtime.seconds()
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dist.distributed_c10d.all_reduce(t)  # the other namespace DeepSpeed calls through
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        after = commtime.seconds()
+        assert after > before
+        assert dist.all_reduce is dist.distributed_c10d.all_reduce  # one wrapper, both names
+        assert t.tolist() == [1.0] * 4
+    finally:
+        dist.destroy_process_group()

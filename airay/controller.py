@@ -364,14 +364,13 @@ class Controller:
         wall = end - self.t_start
         ok = self.state == State.FINISHED
         final = self.ckpt.latest() if ok else None
-        result = Result(status="finished" if ok else "failed", final_step=self.step,
-                        final_loss=self.losses.get(self.step - 1), restarts=self.restarts,
-                        world_sizes=self.world_sizes, goodput=0.0,
-                        wall_s=wall, run_dir=str(self.rec.run_dir), checkpoint=str(final.path) if final else None,
-                        error=error, resizes=self.resizes)
         run_dir = self.rec.run_dir
         g = goodput.compute(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), end_ts=end)
-        result.goodput, result.time_lost_s = g.goodput, {k: round(v, 4) for k, v in g.lost_s.items()}
+        result = Result(status="finished" if ok else "failed", final_step=self.step,
+                        final_loss=self.losses.get(self.step - 1), restarts=self.restarts,
+                        world_sizes=self.world_sizes, goodput=g.goodput,
+                        wall_s=wall, run_dir=str(run_dir), checkpoint=str(final.path) if final else None,
+                        error=error, resizes=self.resizes, time_lost_s={k: round(v, 4) for k, v in g.lost_s.items()})
         if ok:
             self.rec.event("run_finished", step=self.step, final_loss=result.final_loss, restarts=self.restarts,
                            goodput=result.goodput, wall_s=wall, time_lost_s=result.time_lost_s)

@@ -92,10 +92,10 @@ def status_text(view: RunView) -> str:
     lines.append(f"restarts {view.restarts}, replayed step executions {g.replayed_steps}, "
                  f"checkpoints {len(view.checkpoints)}"
                  + (f" (last at step {view.checkpoints[-1]['step']})" if view.checkpoints else ""))
-    for f in view.faults:
-        lines.append(f"  {f['ts'] - view.t0:7.1f}s  {f['type']} rank {f.get('rank')} at step {f.get('step')}")
-    for r in view.resizes:
-        lines.append(f"  {r['ts'] - view.t0:7.1f}s  {resize_text(r)}")
+    timeline = [(f["ts"], f"{f['type']} rank {f.get('rank')} at step {f.get('step')}") for f in view.faults]
+    timeline += [(r["ts"], resize_text(r)) for r in view.resizes]
+    for ts, text in sorted(timeline):
+        lines.append(f"  {ts - view.t0:7.1f}s  {text}")
     if view.error:
         lines.append(f"error: {view.error.splitlines()[0]}")
     return "\n".join(lines)

@@ -183,7 +183,9 @@ class WorkerGroup:
                                                  cause=type(exc).__name__)
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
-                    outcomes[rank] = RankOutcome(rank, "errored", error=str(cause or exc),
+                    # str(MemoryError()) is empty: name the exception too, except our own wrapper.
+                    error = str(cause) if isinstance(cause, UserCodeError) else f"{type(cause or exc).__name__}: {cause or exc}"
+                    outcomes[rank] = RankOutcome(rank, "errored", error=error,
                                                  user_error=isinstance(cause, UserCodeError),
                                                  cause=type(cause).__name__ if cause is not None else "")
                 except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost

@@ -20,6 +20,9 @@ INFRA_ERRORS = frozenset({"MemoryError", "OutOfMemoryError", "ObjectLostError", 
                           "WorkerCrashedError"})
 
 
+_LOST_KINDS = frozenset({"died", "silent", "hung"})
+
+
 @dataclass(frozen=True)
 class RankOutcome:
     rank: int
@@ -31,7 +34,7 @@ class RankOutcome:
     @property
     def infra(self) -> bool:
         """The rank itself failed (process, node, memory, hang): replace it, don't blame the code."""
-        return self.kind in ("died", "silent", "hung") or (self.kind == "errored" and self.cause in INFRA_ERRORS)
+        return self.kind in _LOST_KINDS or (self.kind == "errored" and self.cause in INFRA_ERRORS)
 
     @property
     def fault(self) -> str:
@@ -56,7 +59,9 @@ def classify_round(outcomes: list[RankOutcome]) -> RoundVerdict:
     error (survivors' errors are collateral: their collective lost a peer). user_error: no rank
     was lost and some rank's own code raised; retrying would fail again. comm_error: ranks failed
     in collectives with no rank lost."""
-    lost = tuple(o.rank for o in outcomes if o.infra)
+    # Inlined RankOutcome.infra: this runs over every rank after each failure (4,096 in benchmarks/decision.py).
+    lost = tuple(o.rank for o in outcomes
+                 if o.kind in _LOST_KINDS or (o.kind == "errored" and o.cause in INFRA_ERRORS))
     if lost:
         return RoundVerdict("lost", lost, outcomes=tuple(outcomes))
     errored = [o for o in outcomes if o.kind == "errored"]

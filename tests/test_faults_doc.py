@@ -23,4 +23,4 @@ def test_render_refuses_incomplete_results():
 
     with pytest.raises(ValueError, match="results lack case"):
         render({"cases": {}, "max_steps": 20, "every_n_steps": 5, "hang_timeout_s": 4, "machine": "m",
-                "command": "c", "date": "d"})
+                "command": "AIRAY_FAULT_RESULTS=r.json pytest", "date": "d"})

@@ -184,7 +184,8 @@ class WorkerGroup:
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
                     # str(MemoryError()) is empty: name the exception too, except our own wrapper.
-                    error = str(cause) if isinstance(cause, UserCodeError) else f"{type(cause or exc).__name__}: {cause or exc}"
+                    error = str(cause) if isinstance(cause, UserCodeError) \
+                        else f"{type(cause or exc).__name__}: {cause or exc}"
                     outcomes[rank] = RankOutcome(rank, "errored", error=error,
                                                  user_error=isinstance(cause, UserCodeError),
                                                  cause=type(cause).__name__ if cause is not None else "")

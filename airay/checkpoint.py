@@ -6,10 +6,12 @@ One directory per committed step under the checkpoint root:
       native/        DeepSpeed's own save (one file per rank's ZeRO partition)
       universal/     the same state as one file per parameter (DeepSpeed universal
                      checkpoint), loadable at any world size
-      manifest.json  written last: the step, world size, format and every file's size
+      manifest.json  written last: the step, world size, format, every file's size and CRC-32
 
-A step directory without a manifest that matches the files on disk is incomplete and is never
-loaded. Resharding is DeepSpeed universal checkpointing: ZeRO 1-3 partitions are merged per
+A step directory without a manifest that matches the files' sizes on disk is incomplete and is
+never loaded. Before a checkpoint is loaded its files' CRC-32s are checked too; one that does not
+match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event checkpoint_rejected) and
+the previous checkpoint is loaded instead. Resharding is DeepSpeed universal checkpointing: ZeRO 1-3 partitions are merged per
 parameter once, off the step loop, so recovery at a new world size only reads files.
 """
 
@@ -21,6 +23,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +55,14 @@ def _files_with_sizes(root: Path, subdirs: list[str]) -> dict[str, int]:
     return out
 
 
+def crc32(path: str | os.PathLike) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
 def convert_to_universal(path: str | os.PathLike) -> float:
     """Merge the native ZeRO partitions under `path` into a universal checkpoint; returns seconds."""
     from argparse import Namespace
@@ -78,8 +89,9 @@ def commit(path: str | os.PathLike, step: int, world_size: int, zero_stage: int)
         convert_to_universal(path)
     files = _files_with_sizes(path, list(dict.fromkeys([NATIVE_TAG, load_tag])))
     created = time.time()
+    checksums = {rel: crc32(path / rel) for rel in files}
     manifest = {"step": step, "world_size": world_size, "zero_stage": zero_stage, "load_tag": load_tag,
-                "created": created, "files": files}
+                "created": created, "files": files, "crc32": checksums}
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path / MANIFEST)  # atomic: readers see no manifest or a whole one
@@ -101,6 +113,22 @@ def verify(path: str | os.PathLike) -> CheckpointInfo | None:
         return None
     return CheckpointInfo(manifest["step"], path, manifest["world_size"], manifest["load_tag"],
                           sum(manifest["files"].values()), manifest.get("created", 0.0))
+
+
+def corrupt_files(path: str | os.PathLike) -> list[str]:
+    """Files of a size-verified checkpoint whose CRC-32 differs from its manifest's (reads them all)."""
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    return [rel for rel, crc in manifest.get("crc32", {}).items() if crc32(path / rel) != crc]
+
+
+def reject(path: str | os.PathLike) -> Path:
+    """Set a corrupt checkpoint aside, out of step_dirs (kept for inspection, not loaded again)."""
+    path = Path(path)
+    dest = path.with_name("rejected_" + path.name)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(path, dest)
+    return dest
 
 
 def step_dirs(root: str | os.PathLike) -> list[Path]:
@@ -194,8 +222,18 @@ class Checkpointer:
                        total_s=info.committed_ts - t0, bytes=info.bytes, world_size=info.world_size)
 
     def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint whose checksums hold; corrupt ones are rejected."""
         self.wait()
-        return latest_complete(self.root)
+        while (info := latest_complete(self.root)) is not None:
+            # Read at every load decision (rare: start, recovery, grow), so a file damaged after
+            # its commit is caught too.
+            bad = corrupt_files(info.path)
+            if not bad:
+                return info
+            dest = reject(info.path)
+            self.rec.event("checkpoint_rejected", step=info.step, path=str(info.path), moved_to=str(dest),
+                           reason=f"CRC-32 mismatch in {bad[:3]}")
+        return None
 
 
 def _ready(ref) -> bool:

@@ -109,15 +109,29 @@ class CheckpointSpec(_Spec):
     keep_last: int = Field(3, ge=1, description="durable checkpoints kept; older ones are deleted")
 
 
-ChaosKind = Literal["kill_worker", "remove_node", "add_node"]
+ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
+                    "corrupt_checkpoint", "slow_worker"]
 
 
 class ChaosSpec(_Spec):
-    """A fault injected at a named point: the start of global step `at_step`."""
+    """A fault injected at a named point: the start of global step `at_step`, on `rank`.
+
+    kill_worker: SIGKILL the rank's process. remove_node: kill the rank's node (local cluster).
+    add_node: add a node (local cluster). hang_worker: the rank blocks inside the step
+    (`hang_mode` sleep: a blocking call in the training thread; sigstop: the whole process
+    stops, heartbeat included). raise_in_user_code: the rank's loss function raises.
+    oom_worker: the rank's address space is capped just above its use, then it allocates until
+    MemoryError. corrupt_checkpoint: flip bytes in the newest committed checkpoint, then kill
+    the rank so the run must load it. slow_worker: the rank sleeps `delay_s` in each of
+    `steps` steps (a straggler).
+    """
 
     fault: ChaosKind
     at_step: int = Field(ge=0)
-    rank: int = Field(0, ge=0, description="kill_worker: the rank that dies; remove_node: the node of this rank")
+    rank: int = Field(0, ge=0, description="the rank the fault strikes; remove_node: the node of this rank")
+    hang_mode: Literal["sleep", "sigstop"] = Field("sleep", description="hang_worker only")
+    delay_s: float = Field(0.5, gt=0, description="slow_worker only: extra seconds per step")
+    steps: int = Field(5, ge=1, description="slow_worker only: how many steps the rank is slow")
 
 
 class LocalClusterSpec(_Spec):
@@ -134,6 +148,38 @@ class TimeoutSpec(_Spec):
     collective_timeout_s: float = Field(120, gt=0, description="no rank blocks longer in a collective")
     survivor_drain_s: float = Field(30, gt=0, description="after a loss, wait this long for survivors to stop")
     grow_check_every_n_steps: int = Field(1, ge=1, description="how often to look for new capacity")
+    hang_timeout_s: float = Field(
+        60, gt=0, description="a rank whose step progress (micro-batch and phase, read by a heartbeat from "
+        "another thread) stands still this long is hung: killed and replaced like a crash. Must be longer "
+        "than the slowest phase of a step (one micro-batch's forward, backward or optimizer step) and "
+        "shorter than collective_timeout_s")
+
+    @model_validator(mode="after")
+    def _hang_before_collective(self) -> "TimeoutSpec":
+        if self.hang_timeout_s >= self.collective_timeout_s:
+            raise ValueError(
+                f"hang_timeout_s ({self.hang_timeout_s}) must be < collective_timeout_s "
+                f"({self.collective_timeout_s}): otherwise the peers' collectives time out first and the "
+                "hung rank is not the one named; lower timeouts.hang_timeout_s or raise collective_timeout_s")
+        return self
+
+
+class HealthSpec(_Spec):
+    """How failures are counted and when the run gives up (see docs/FAULTS.md)."""
+
+    failure_window_s: float = Field(
+        3600, gt=0, description="max_failures counts failures within this sliding window")
+    restart_backoff_s: float = Field(
+        0, ge=0, description="wait this long before the 2nd recovery in the window, doubling per further one")
+    max_backoff_s: float = Field(60, ge=0, description="cap on restart_backoff_s's doubling")
+    retry_user_errors: int = Field(
+        0, ge=0, description="recoveries allowed after an exception in user code; 0: fail fast")
+    exclude_node_after_failures: int = Field(
+        3, ge=0, description="a node that caused this many failures is kept out of placement; 0: never")
+    straggler_factor: float = Field(
+        2.0, gt=1, description="a rank whose local step time exceeds the other ranks' median by this factor "
+        "(and by straggler_min_excess_s) is reported as a straggler")
+    straggler_min_excess_s: float = Field(0.1, ge=0)
 
 
 class JobConfig(_Spec):
@@ -150,7 +196,7 @@ class JobConfig(_Spec):
     micro_batch_size: int = Field(ge=1, description="largest micro-batch one worker may take")
     max_steps: int = Field(ge=1)
     seed: int = 0
-    max_failures: int = Field(20, ge=0, description="failures tolerated before the run fails")
+    max_failures: int = Field(20, ge=0, description="failures tolerated within health.failure_window_s")
     steps_per_round: int = Field(5, ge=1, description="steps a worker runs per driver call")
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -158,6 +204,7 @@ class JobConfig(_Spec):
     ray_address: str | None = Field(None, description="default: RAY_ADDRESS, else a new local Ray")
     cluster: LocalClusterSpec | None = None
     timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
     run_dir: str | None = Field(None, description="default: ./runs/NAME-TIMESTAMP")
 
     @field_validator("deepspeed")
@@ -193,6 +240,21 @@ class JobConfig(_Spec):
                 raise ValueError(f"chaos[{i}].at_step ({fault.at_step}) must be < max_steps ({self.max_steps})")
             if fault.rank >= self.scaling.max_workers:
                 raise ValueError(f"chaos[{i}].rank ({fault.rank}) must be < scaling.max_workers")
+            if fault.fault == "corrupt_checkpoint" and fault.at_step <= self.checkpoint.every_n_steps:
+                raise ValueError(
+                    f"chaos[{i}]: corrupt_checkpoint at_step {fault.at_step} needs a committed checkpoint "
+                    f"to corrupt and an older one to fall back to; set at_step > "
+                    f"checkpoint.every_n_steps ({self.checkpoint.every_n_steps})")
+            if fault.fault == "corrupt_checkpoint" and self.checkpoint.keep_last < 2:
+                raise ValueError(f"chaos[{i}]: corrupt_checkpoint needs checkpoint.keep_last >= 2 "
+                                 "(an older checkpoint to fall back to)")
+            if fault.fault == "slow_worker" and fault.at_step + fault.steps > self.max_steps:
+                raise ValueError(f"chaos[{i}]: slow_worker steps ({fault.steps}) run past max_steps "
+                                 f"({self.max_steps}); lower chaos[{i}].steps or at_step")
+        steps = [(c.at_step, c.rank) for c in self.chaos if c.fault not in ("add_node", "slow_worker")]
+        dup = sorted({s for s in steps if steps.count(s) > 1})
+        if dup:
+            raise ValueError(f"chaos: more than one fault at (at_step, rank) {dup}; give each its own step or rank")
         return self
 
     # ---- loading -------------------------------------------------------------------------

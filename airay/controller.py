@@ -14,11 +14,11 @@ from typing import Any
 
 import ray
 
-from airay import goodput, policy
+from airay import chaos, goodput, policy
 from airay.checkpoint import CheckpointInfo, Checkpointer
 from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
-from airay.health import RoundVerdict, classify_round
+from airay.health import Failure, RoundVerdict, classify_round, find_stragglers, summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
 from airay.telemetry import Telemetry, eta_s, progress_line
@@ -89,7 +89,12 @@ class Controller:
         self.resizes: list[dict[str, Any]] = []
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
-        self.fired: set[int] = set()
+        self.fired: set[int] = set()  # indices of chaos faults already injected
+        self.failures: list[Failure] = []  # every failure, for the budget and the summary
+        self.incidents: list[float] = []  # when each recovery began (the budget's sliding window)
+        self.node_failures: dict[str, int] = {}
+        self.user_retries = 0
+        self.stragglers: set[int] = set()  # ranks reported as stragglers in the current world
         self.pending_resize: _PendingResize | None = None
         self.verdict: RoundVerdict | None = None  # the failure being recovered from
         self.t_detect = 0.0  # when it was first noticed
@@ -158,16 +163,18 @@ class Controller:
         self.ckpt.poll()
         if self.step % self.cfg.timeouts.grow_check_every_n_steps == 0 and self._can_grow():
             return State.GROWING
-        faults = [c for c in self.cfg.chaos if c.at_step not in self.fired]
+        pending = [c.at_step for i, c in enumerate(self.cfg.chaos) if i not in self.fired]
         end = policy.next_round_end(self.step, self.cfg.max_steps, self.cfg.steps_per_round,
-                                    self.cfg.checkpoint.every_n_steps, [c.at_step for c in faults])
+                                    self.cfg.checkpoint.every_n_steps, pending)
         if self.pending_resize is not None:
             end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
-        die_at, after_launch = self._inject(self.step, [c for c in faults if c.at_step == self.step])
+        faults, after_launch, struck = self._inject(self.step, end)
         t_launch = time.time()
-        outcomes, values = self.group.train(self.step, end, die_at, after_launch)
-        if not self._ok(outcomes, fault_ts=t_launch if die_at or after_launch else None):
+        outcomes, values = self.group.train(self.step, end, faults, after_launch,
+                                            hang_timeout_s=self.cfg.timeouts.hang_timeout_s)
+        if not self._ok(outcomes, fault_ts=t_launch if struck else None):
             return State.RECOVERING
+        self._check_stragglers(self.step, values)
         self._record_steps(self.step, end, values)
         self.step = end
         if self.step % self.cfg.checkpoint.every_n_steps == 0 or self.step == self.cfg.max_steps:
@@ -179,22 +186,42 @@ class Controller:
         """Drop lost ranks, shrink to the survivors (or wait for min_workers), reload, go on."""
         verdict, group = self.verdict, self.group
         self.restarts += 1
-        if self.restarts > self.cfg.max_failures:
-            raise RunFailed(f"{self.restarts} failures exceed max_failures={self.cfg.max_failures}; last: "
-                            f"{verdict.message or verdict.lost_ranks}")
+        self.incidents.append(self.t_detect)
         old = len(group.active)
+        hangs = {h["rank"]: h for h in group.hangs}
         for rank in verdict.lost_ranks:
             m = group.member(rank)
             outcome = verdict.outcomes[rank]
-            # "Unavailable" (not "died") means Ray lost contact with the actor's node: give its
-            # health check a moment to tell a dead node from a dead process (NODE_VERDICT_WAIT_S).
-            suspect = "unavailable" in outcome.error.lower()
-            kind = "node_lost" if node_died(m.node_id, NODE_VERDICT_WAIT_S if suspect else 0.0) else "worker_failed"
-            self.rec.event(kind, step=self.step, rank=rank, node_id=m.node_id, outcome=outcome.kind,
-                           error=outcome.error, detection_s=self.detection_s)
-        if verdict.kind == "comm_error":
-            self.rec.event("worker_failed", step=self.step, rank=None, outcome="comm_error", error=verdict.message)
-        group.drop(list(verdict.lost_ranks))
+            if outcome.kind == "hung":
+                self.rec.event("hang_detected", step=self.step, rank=rank, node_id=m.node_id,
+                               detection_s=self.detection_s, stalled_s=hangs[rank]["stalled_s"],
+                               heartbeat=hangs[rank]["heartbeat"], progress=hangs[rank]["progress"],
+                               error=outcome.error)
+                kind = "hung"
+            else:
+                # "Unavailable" (not "died") means Ray lost contact with the actor's node: give its
+                # health check a moment to tell a dead node from a dead process (NODE_VERDICT_WAIT_S).
+                suspect = "unavailable" in outcome.error.lower()
+                lost_node = node_died(m.node_id, NODE_VERDICT_WAIT_S if suspect else 0.0)
+                kind = "node_lost" if lost_node else outcome.fault
+                self.rec.event("node_lost" if lost_node else "worker_failed", step=self.step, rank=rank,
+                               node_id=m.node_id, outcome=outcome.fault, error=outcome.error,
+                               detection_s=self.detection_s)
+            self.failures.append(Failure(self.t_detect, kind, rank, m.node_id, self.step))
+            if m.node_id:
+                self.node_failures[m.node_id] = self.node_failures.get(m.node_id, 0) + 1
+        if verdict.kind in ("comm_error", "user_error"):
+            self.rec.event("worker_failed", step=self.step, rank=None, outcome=verdict.kind, error=verdict.message)
+            self.failures.append(Failure(self.t_detect, verdict.kind, None, None, self.step))
+        self._check_budget()
+        drop = list(verdict.lost_ranks)
+        for node in policy.nodes_to_exclude(self.node_failures, self.cfg.health.exclude_node_after_failures,
+                                            group.excluded):
+            on_node = group.exclude(node)
+            self.rec.event("node_excluded", step=self.step, node_id=node, failures=self.node_failures[node],
+                           evicted_ranks=[r for r in on_node if r not in drop])
+            drop += [r for r in on_node if r not in drop]
+        group.drop(sorted(drop))
         group.leave_all()
         t_drained = time.time()
         sc = self.cfg.scaling
@@ -204,6 +231,7 @@ class Controller:
             need = sc.min_workers - len(group.active)
             self.rec.event("waiting_for_capacity", step=self.step, have=len(group.active), need=sc.min_workers,
                            timeout_s=self.cfg.timeouts.capacity_wait_s)
+            self._reserve_free_capacity()  # e.g. an excluded node's workers are replaced elsewhere
             if not group.wait_for_standby(need, self.cfg.timeouts.capacity_wait_s):
                 raise RunFailed(
                     f"world fell to {len(group.active)} worker(s), below scaling.min_workers={sc.min_workers}, "
@@ -259,6 +287,7 @@ class Controller:
         else:
             self.step = 0
         self.world_sizes.append(size)
+        self.stragglers = set()
         self.ckpt.last_saved_step = ckpt.step if ckpt else None
         if t0 is not None:
             self.pending_resize = _PendingResize(t0, old, size, reason, self.step, {
@@ -274,14 +303,42 @@ class Controller:
         failure is kept for _recovering (with its detection time; `fault_ts`: when our own
         chaos struck, for detection_s)."""
         verdict = classify_round(outcomes)
-        if verdict.kind == "user_error":
-            raise RunFailed(verdict.message)
         if verdict.kind == "ok":
             return True
+        if verdict.kind == "user_error":
+            if self.user_retries >= self.cfg.health.retry_user_errors:
+                raise RunFailed(verdict.message + "\n(an error in user code is not retried: fix the code, "
+                                "or set health.retry_user_errors to allow retries)")
+            self.user_retries += 1  # opted in (health.retry_user_errors); bounded, never a loop
         self.verdict = verdict
         self.t_detect = self.group.first_failure_ts or time.time()
         self.detection_s = self.t_detect - fault_ts if fault_ts is not None else None
         return False
+
+    def _check_budget(self) -> None:
+        """Give up when failures crowd the window; else back off before a recurring recovery."""
+        h, now = self.cfg.health, time.time()
+        n = policy.failures_in_window(self.incidents, now, h.failure_window_s)
+        if policy.budget_exceeded(self.incidents, now, h.failure_window_s, self.cfg.max_failures):
+            raise RunFailed(f"{n} failures within health.failure_window_s={h.failure_window_s:g}s exceed "
+                            f"max_failures={self.cfg.max_failures}; raise max_failures or fix the cause. "
+                            f"Failures:\n{summarize_failures(self.failures)}")
+        wait = policy.restart_backoff_s(n, h.restart_backoff_s, h.max_backoff_s)
+        if wait > 0:
+            self.rec.event("restart_backoff", step=self.step, wait_s=wait, failures_in_window=n)
+            time.sleep(wait)
+
+    def _check_stragglers(self, start: int, values: list[list[dict]]) -> None:
+        """Report (once per rank and world) a rank whose own work per step is much slower."""
+        h = self.cfg.health
+        local = [[v["local_s"] for v in per_rank] for per_rank in values]
+        for rank in find_stragglers(local, h.straggler_factor, h.straggler_min_excess_s):
+            if rank in self.stragglers:
+                continue
+            self.stragglers.add(rank)
+            medians = sorted(sorted(ts)[len(ts) // 2] for ts in local)
+            self.rec.event("straggler_detected", step=start, rank=rank, node_id=self.group.member(rank).node_id,
+                           local_s=sorted(local[rank])[len(local[rank]) // 2], median_local_s=medians[len(medians) // 2])
 
     def _checkpoint(self) -> bool:
         outcomes = self.ckpt.save(self.group, self.step)
@@ -293,28 +350,43 @@ class Controller:
             self.rec.event("worker_ready", step=self.step, node_id=m.node_id, start_s=time.time() - m.started)
         while group.start_failures:
             self.rec.event("worker_start_failed", step=self.step, error=group.start_failures.pop(0))
-        want = max_w - len(group.active) - len(group.standby) - len(group.pending)
+        self._reserve_free_capacity()
+        return policy.should_grow(len(group.active), len(group.standby), max_w) is not None
+
+    def _reserve_free_capacity(self) -> None:
+        """Start workers (in the background) on free capacity, up to max_workers in all."""
+        group = self.group
+        want = self.cfg.scaling.max_workers - len(group.active) - len(group.standby) - len(group.pending)
         if want > 0:
             fit = min(want, group.capacity() - len(group.standby))
             if fit > 0:
-                group.reserve(fit, timeout_s=5.0)  # new capacity: start workers there in the background
-        return policy.should_grow(len(group.active), len(group.standby), max_w) is not None
+                group.reserve(fit, timeout_s=5.0)
 
-    def _inject(self, step: int, faults) -> tuple[dict[int, list[int]], Any]:
-        """Chaos at the start of `step`: returns the ranks told to die and an after-launch hook."""
-        die_at: dict[int, list[int]] = {}
-        removals = []
+    def _inject(self, step: int, end: int) -> tuple[dict[int, dict[int, dict]], Any, bool]:
+        """Chaos for the round [step, end): the ranks' step faults, an after-launch hook (node
+        removal, so the world is mid-step when it strikes) and whether a fault strikes now."""
         world = len(self.group.active)
-        for fault in faults:
-            self.fired.add(fault.at_step)
+        faults = chaos.round_faults(self.cfg.chaos, self.fired, step, end, world)
+        removals = []
+        struck = False
+        for i, fault in enumerate(self.cfg.chaos):
+            if fault.at_step != step or i in self.fired:
+                continue
+            self.fired.add(i)
             if fault.rank >= world and fault.fault != "add_node":
                 self.rec.event("fault_skipped", step=step, fault=fault.fault, rank=fault.rank,
                                reason=f"world size is {world}")
                 continue
-            self.rec.event("fault_injected", step=step, fault=fault.fault, rank=fault.rank)
-            if fault.fault == "kill_worker":
-                die_at.setdefault(fault.rank, []).append(step)
-            elif fault.fault == "remove_node":
+            detail = {}
+            if fault.fault == "corrupt_checkpoint":
+                # Damage the checkpoint the run would load, then make it need one: kill the rank.
+                ckpt = self.ckpt.latest()
+                detail = {"path": str(ckpt.path), "file": chaos.corrupt_checkpoint(ckpt.path, ckpt.load_tag)}
+                faults.setdefault(fault.rank, {})[step] = {"fault": "kill_worker"}
+            self.rec.event("fault_injected", step=step, fault=fault.fault, rank=fault.rank,
+                           **({"hang_mode": fault.hang_mode} if fault.fault == "hang_worker" else {}), **detail)
+            struck = struck or fault.fault not in ("add_node", "slow_worker")
+            if fault.fault == "remove_node":
                 removals.append(self.group.member(fault.rank).node_id)
             elif fault.fault == "add_node":
                 node = self.local.add_node()
@@ -324,7 +396,7 @@ class Controller:
             for node_id in removals:
                 self.local.remove_node(node_id)
 
-        return die_at, (remove_nodes if removals else None)
+        return faults, (remove_nodes if removals else None), struck
 
     def _record_steps(self, start: int, end: int, values: list[list[dict]]) -> None:
         world = len(values)

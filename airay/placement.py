@@ -30,12 +30,23 @@ def actor_options(per_worker: dict[str, float]) -> dict:
     return opts
 
 
-def available_per_node() -> list[dict[str, float]]:
-    """Free (unreserved) resources of each alive node.
+def available_per_node(exclude: set[str] | frozenset[str] = frozenset()) -> list[dict[str, float]]:
+    """Free (unreserved) resources of each alive node, leaving out `exclude`d node ids.
 
     ray.available_resources() sums over nodes, which would let a bundle "fit" across two
     half-free nodes; Ray's per-node view (ray._private.state, stable since Ray 2.0) does not.
     """
     from ray._private.state import available_resources_per_node
 
-    return list(available_resources_per_node().values())
+    return [free for node, free in available_resources_per_node().items() if node not in exclude]
+
+
+def avoid_nodes(node_ids: set[str], n_bundles: int) -> list[dict[str, str]] | None:
+    """Ray label selectors (one per bundle) that keep a placement group off `node_ids`.
+
+    Every Ray node carries the label ray.io/node-id (label scheduling, Ray 2.60), so this
+    works on any cluster, not only on nodes airay started.
+    """
+    if not node_ids:
+        return None
+    return [{"ray.io/node-id": f"!in({','.join(sorted(node_ids))})"} for _ in range(n_bundles)]

@@ -120,3 +120,31 @@ def next_round_end(step: int, max_steps: int, steps_per_round: int, every_n_step
         if step < f < end:
             end = f
     return end
+
+
+# ---- failure budget and bad nodes -------------------------------------------------------------
+
+
+def failures_in_window(failure_ts: list[float], now: float, window_s: float) -> int:
+    """Failures within the sliding window (now - window_s, now]."""
+    return sum(1 for t in failure_ts if now - t < window_s)
+
+
+def budget_exceeded(failure_ts: list[float], now: float, window_s: float, max_failures: int) -> bool:
+    """True when more than `max_failures` failures fall in the window: the run gives up."""
+    return failures_in_window(failure_ts, now, window_s) > max_failures
+
+
+def restart_backoff_s(failures_in_window_: int, base_s: float, cap_s: float) -> float:
+    """Wait before a recovery: none for the first failure in the window, then base_s doubling per
+    further one, capped. A fault that keeps recurring slows down instead of spinning."""
+    if base_s <= 0 or failures_in_window_ <= 1:
+        return 0.0
+    return min(cap_s, base_s * 2 ** (failures_in_window_ - 2))
+
+
+def nodes_to_exclude(failures_per_node: dict[str, int], threshold: int, excluded: set[str]) -> list[str]:
+    """Nodes that reached `threshold` failures and are not excluded yet (threshold 0: never)."""
+    if threshold <= 0:
+        return []
+    return sorted(n for n, c in failures_per_node.items() if c >= threshold and n not in excluded)

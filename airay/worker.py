@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import signal
 import socket
 import stat
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import ray
 
-from airay import commtime
+from airay import chaos, commtime
 from airay.config import JobConfig, resolve_callable
 from airay.data import SyntheticSource
 from airay.policy import BatchPlan
@@ -135,6 +134,9 @@ class TrainWorker:
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
         self._world_sockets: dict[int, int] = {}
+        # Where the step loop is (step, micro-batch, phase); read by `heartbeat` from the control
+        # thread, so it answers while the training thread is stuck in a collective or user code.
+        self._progress: dict[str, Any] = {"step": -1, "micro": -1, "phase": "start"}
         torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
         commtime.install()  # before DeepSpeed binds the collectives (see airay.commtime)
 
@@ -213,6 +215,11 @@ class TrainWorker:
             return 0
         return shutdown_sockets(self._world_sockets)
 
+    @ray.method(concurrency_group="control")
+    def heartbeat(self) -> dict[str, Any]:
+        """The step loop's progress, answered from the control thread (see WorkerGroup._gather)."""
+        return self._progress
+
     def leave(self) -> None:
         """Drop the engine and the process group; safe to call when in neither."""
         import deepspeed.comm as dist
@@ -252,18 +259,15 @@ class TrainWorker:
 
     # ---- training ------------------------------------------------------------------------------
 
-    def train(self, start: int, end: int, die_at: list[int] | None = None) -> list[dict[str, float]]:
+    def train(self, start: int, end: int, faults: dict[int, dict] | None = None) -> list[dict[str, float]]:
         """Run global steps [start, end). Each result: loss_sum over this rank's samples, timings.
 
-        `die_at`: chaos; at the start of any of these steps this process kills itself (SIGKILL),
-        a real crash in the middle of the world's collectives.
+        `faults`: chaos, {step: fault} struck inside that step (airay.chaos).
         """
         out = []
         try:
             for step in range(start, end):
-                if die_at and step in die_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                out.append(self._step(step))
+                out.append(self._step(step, (faults or {}).get(step)))
         except BaseException:
             # A peer died mid-collective, or our own code failed: shutting our world's sockets
             # down makes ranks still blocked on us fail fast instead of waiting for a timeout.
@@ -272,25 +276,38 @@ class TrainWorker:
             raise
         return out
 
-    def _step(self, step: int) -> dict[str, float]:
+    def _at(self, step: int, micro: int, phase: str) -> None:
+        self._progress = {"step": step, "micro": micro, "phase": phase}
+
+    def _step(self, step: int, fault: dict | None = None) -> dict[str, float]:
         import torch
 
         t0 = time.perf_counter()
+        self._at(step, -1, "data")
         batches = self._user(self.data.micro_batches, step, self.rank, self.plan)
         data_wait = time.perf_counter() - t0
         comm0 = commtime.seconds()
+        local_s = 0.0  # data, chaos and forward: this rank's own work, before any collective
         loss_sum = 0.0
-        for batch in batches:
+        for micro, batch in enumerate(batches):
+            t_fwd = time.perf_counter()
+            self._at(step, micro, "forward")
+            if fault is not None and micro == 0:
+                self._user(chaos.strike, fault, step, self.rank)
             loss = self._user(self.loss_fn, self.engine, {k: v.to(self.device) for k, v in batch.items()})
+            local_s += time.perf_counter() - t_fwd
+            self._at(step, micro, "backward")
             self.engine.backward(loss)
+            self._at(step, micro, "optimizer")
             self.engine.step()
             loss_sum += float(loss.detach()) * self.plan.micro_batch_size
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
+        self._at(step, len(batches), "done")
         step_time = time.perf_counter() - t0
         comm = commtime.seconds() - comm0
         return {"step": step, "loss_sum": loss_sum, "step_time_s": step_time, "data_wait_s": data_wait,
-                "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
+                "local_s": data_wait + local_s, "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
                 "tokens": sum(token_count(b) for b in batches)}
 
     def _user(self, fn, *args, **kwargs):
@@ -298,7 +315,8 @@ class TrainWorker:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            if _is_comm_error(exc):
+            # Running out of memory is the machine's limit, not a bug in the code that hit it.
+            if _is_comm_error(exc) or isinstance(exc, MemoryError):
                 raise
             raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
 

@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from airay import placement
 from airay.checkpoint import Committer
-from airay.health import RankOutcome
+from airay.health import RankOutcome, find_hung, position
 from airay.policy import BatchPlan
 from airay.worker import TrainWorker, UserCodeError
 
@@ -51,6 +51,8 @@ class WorkerGroup:
         self.standby: list[Member] = []  # ready, waiting to join at the next resize
         self.start_failures: list[str] = []  # why replacement workers died while starting
         self.first_failure_ts: float | None = None  # when the last failed call was first noticed
+        self.hangs: list[dict[str, Any]] = []  # the hung ranks of the last failed round, and why
+        self.excluded: set[str] = set()  # nodes kept out of placement for the rest of the run
         self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if per_worker.get("GPU") else {}
         self._actor_opts = {**placement.actor_options(per_worker), "max_restarts": 0,
@@ -67,11 +69,13 @@ class WorkerGroup:
 
     def capacity(self) -> int:
         """Workers that could be added now: placed-but-idle members plus bundles that fit free resources."""
-        return len(self.standby) + placement.bundles_that_fit(placement.available_per_node(), self.per_worker)
+        return len(self.standby) + placement.bundles_that_fit(
+            placement.available_per_node(exclude=self.excluded), self.per_worker)
 
     def reserve(self, n: int, timeout_s: float) -> bool:
         """Reserve a placement group of n bundles and start a worker in each (not waited for)."""
-        pg = placement_group([dict(self.per_worker) for _ in range(n)], strategy=self.strategy)
+        pg = placement_group([dict(self.per_worker) for _ in range(n)], strategy=self.strategy,
+                             bundle_label_selector=placement.avoid_nodes(self.excluded, n))
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             remove_placement_group(pg)
@@ -124,6 +128,9 @@ class WorkerGroup:
 
     def form(self, world_size: int, plan: BatchPlan, load_universal: bool) -> tuple[list[RankOutcome], dict]:
         """Make a world of `world_size`: survivors keep their order, standby workers join after."""
+        # Joining workers take ranks grouped by node: co-located ranks are neighbours (the order
+        # ring collectives favour), and a node's ranks are predictable for chaos at named ranks.
+        self.standby.sort(key=lambda m: (m.node_id or "", m.bundle_index))
         while len(self.active) < world_size and self.standby:
             self.active.append(self.standby.pop(0))
         assert len(self.active) == world_size, (len(self.active), world_size)
@@ -138,12 +145,13 @@ class WorkerGroup:
 
     # ---- collective calls ------------------------------------------------------------------
 
-    def train(self, start: int, end: int, die_at: dict[int, list[int]],
-              after_launch: Callable[[], None] | None = None) -> tuple[list[RankOutcome], list]:
-        refs = [m.actor.train.remote(start, end, die_at.get(rank)) for rank, m in enumerate(self.active)]
+    def train(self, start: int, end: int, faults: dict[int, dict[int, dict]],
+              after_launch: Callable[[], None] | None = None,
+              hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
+        refs = [m.actor.train.remote(start, end, faults.get(rank)) for rank, m in enumerate(self.active)]
         if after_launch is not None:
             after_launch()
-        return self._gather(refs)
+        return self._gather(refs, hang_timeout_s)
 
     def save(self, path: str, step: int) -> tuple[list[RankOutcome], list]:
         return self._gather([m.actor.save.remote(path, step) for m in self.active])
@@ -151,16 +159,19 @@ class WorkerGroup:
     def load(self, path: str, tag: str) -> tuple[list[RankOutcome], list]:
         return self._gather([m.actor.load.remote(path, tag) for m in self.active])
 
-    def _gather(self, refs: list) -> tuple[list[RankOutcome], list]:
+    def _gather(self, refs: list, hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
         (their collectives fail fast when a peer's sockets close); ranks still silent then are
-        counted as lost."""
+        counted as lost. With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
+        that makes no progress that long (airay.health.find_hung) is killed as hung."""
         by_ref = {ref: rank for rank, ref in enumerate(refs)}
         outcomes: dict[int, RankOutcome] = {}
         values: list = [None] * len(refs)
         deadline = None
+        watch = _HangWatch(len(refs), hang_timeout_s) if hang_timeout_s else None
+        self.hangs = []
         while by_ref:
-            timeout = 1.0 if deadline is None else max(0.0, deadline - time.time())
+            timeout = (watch.poll_s if watch else 1.0) if deadline is None else max(0.0, deadline - time.time())
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
             for ref in ready:
                 rank = by_ref.pop(ref)
@@ -168,11 +179,27 @@ class WorkerGroup:
                     values[rank] = ray.get(ref)
                     outcomes[rank] = RankOutcome(rank, "ok")
                 except ray.exceptions.RayActorError as exc:
-                    outcomes[rank] = RankOutcome(rank, "died", error=str(exc).splitlines()[0])
+                    outcomes[rank] = RankOutcome(rank, "died", error=str(exc).splitlines()[0],
+                                                 cause=type(exc).__name__)
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
-                    outcomes[rank] = RankOutcome(rank, "errored", error=str(cause or exc),
-                                                 user_error=isinstance(cause, UserCodeError))
+                    # str(MemoryError()) is empty: name the exception too, except our own wrapper.
+                    error = str(cause) if isinstance(cause, UserCodeError) \
+                        else f"{type(cause or exc).__name__}: {cause or exc}"
+                    outcomes[rank] = RankOutcome(rank, "errored", error=error,
+                                                 user_error=isinstance(cause, UserCodeError),
+                                                 cause=type(cause).__name__ if cause is not None else "")
+                except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost
+                    outcomes[rank] = RankOutcome(rank, "errored", error=str(exc).splitlines()[0],
+                                                 cause=type(exc).__name__)
+            if watch is not None and deadline is None and by_ref:
+                running = set(by_ref.values())
+                for rank in watch.poll([self.active[r].actor for r in range(len(refs))], running):
+                    by_ref.pop(refs[rank])
+                    self.hangs.append(watch.describe(rank))
+                    outcomes[rank] = RankOutcome(rank, "hung", error=self.hangs[-1]["reason"])
+                    # A hung process cannot be asked to stop; SIGKILL through Ray is the only way.
+                    ray.kill(self.active[rank].actor, no_restart=True)
             if deadline is None and any(o.kind != "ok" for o in outcomes.values()):
                 self.first_failure_ts = time.time()
                 deadline = self.first_failure_ts + self.drain_s
@@ -191,11 +218,25 @@ class WorkerGroup:
         return self.active[rank]
 
     def drop(self, ranks: list[int]) -> None:
-        """Remove lost ranks from the world, kill what is left of them, start replacements."""
+        """Remove lost ranks from the world, kill what is left of them, start replacements in
+        their bundles (not on excluded nodes: their capacity is found elsewhere by `reserve`)."""
         for m in [self.active[r] for r in ranks]:
             self.active.remove(m)
             ray.kill(m.actor, no_restart=True)
-            self._start(m.pg, m.bundle_index)
+            if m.node_id not in self.excluded:
+                self._start(m.pg, m.bundle_index)
+
+    def exclude(self, node_id: str) -> list[int]:
+        """Keep `node_id` out of placement from now on: idle workers there are killed and not
+        replaced; returns the ranks of active workers there, for the caller to drop. The node's
+        bundles stay reserved by their placement groups until the run ends (Ray cannot release
+        one bundle of a group), which also keeps other work of this run off it."""
+        self.excluded.add(node_id)
+        for pool in (self.standby, self.pending):
+            for m in [m for m in pool if m.node_id == node_id or _bundle_node(m) == node_id]:
+                pool.remove(m)
+                ray.kill(m.actor, no_restart=True)
+        return [r for r, m in enumerate(self.active) if m.node_id == node_id]
 
     def leave_all(self) -> None:
         """Survivors of a failed round leave their broken process group (errors ignored)."""
@@ -241,3 +282,54 @@ def node_died(node_id: str | None, wait_s: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def _bundle_node(m: Member) -> str | None:
+    """The node a pending worker's bundle is on (its own info arrives only once it is ready)."""
+    table = ray.util.placement_group_table(m.pg)
+    return table.get("bundles_to_node_id", {}).get(m.bundle_index)
+
+
+class _HangWatch:
+    """Polls every running rank's heartbeat and remembers when its progress last changed."""
+
+    def __init__(self, world: int, hang_timeout_s: float):
+        now = time.time()
+        self.timeout = hang_timeout_s
+        self.poll_s = min(1.0, hang_timeout_s / 4)
+        self.progress: dict[int, dict] = {r: {} for r in range(world)}
+        self.last_change = {r: now for r in range(world)}
+        self.last_answer = {r: now for r in range(world)}
+        self.inflight: dict[int, Any] = {}
+
+    def poll(self, actors: list, running: set[int]) -> list[int]:
+        """Collect answered heartbeats, ask again, return the ranks to declare hung."""
+        now = time.time()
+        if self.inflight:
+            ready, _ = ray.wait(list(self.inflight.values()), num_returns=len(self.inflight), timeout=0)
+            for rank, ref in list(self.inflight.items()):
+                if ref not in ready:
+                    continue
+                del self.inflight[rank]
+                try:
+                    beat = ray.get(ref)
+                except ray.exceptions.RayError:
+                    continue  # the actor died: its train call reports that
+                self.last_answer[rank] = now
+                if beat != self.progress[rank]:
+                    self.progress[rank], self.last_change[rank] = beat, now
+        for rank in running:
+            if rank not in self.inflight:
+                self.inflight[rank] = actors[rank].heartbeat.remote()
+        answering = {r for r in running if now - self.last_answer[r] < self.timeout}
+        return find_hung({r: position(self.progress[r]) for r in running},
+                         {r: self.last_change[r] for r in running}, answering, now, self.timeout)
+
+    def describe(self, rank: int) -> dict[str, Any]:
+        now = time.time()
+        p = self.progress[rank]
+        answering = now - self.last_answer[rank] < self.timeout
+        where = f"step {p.get('step')} micro-batch {p.get('micro')} phase {p.get('phase')}" if p else "its first step"
+        return {"rank": rank, "stalled_s": now - self.last_change[rank], "heartbeat": answering, "progress": p,
+                "reason": f"no progress for {now - self.last_change[rank]:.1f}s at {where}; heartbeat "
+                          f"{'answering (blocked in the training thread)' if answering else 'not answering (process stopped)'}"}

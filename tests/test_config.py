@@ -110,3 +110,29 @@ def test_resolved_config_round_trips():
     cfg = JobConfig.from_yaml(DEMO)
     again = JobConfig.from_dict(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg
+
+
+def test_fault_and_health_fields_are_validated_with_the_fix():
+    import pytest as _pytest
+
+    from airay.config import ConfigError, JobConfig
+
+    base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+            "global_batch_size": 12, "micro_batch_size": 2, "max_steps": 20,
+            "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": 5}}
+    with _pytest.raises(ConfigError, match="hang_timeout_s .* must be < collective_timeout_s"):
+        JobConfig.from_dict({**base, "timeouts": {"hang_timeout_s": 200}})
+    with _pytest.raises(ConfigError, match="corrupt_checkpoint at_step 4 needs a committed checkpoint"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "corrupt_checkpoint", "at_step": 4}]})
+    with _pytest.raises(ConfigError, match="slow_worker steps .* run past max_steps"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "slow_worker", "at_step": 18, "steps": 5}]})
+    with _pytest.raises(ConfigError, match=r"more than one fault at \(at_step, rank\) \[\(6, 1\)\]"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "kill_worker", "at_step": 6, "rank": 1},
+                                               {"fault": "hang_worker", "at_step": 6, "rank": 1}]})
+    with _pytest.raises(ConfigError, match="chaos.0.hang_mode"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "hang_worker", "at_step": 6, "hang_mode": "freeze"}]})
+    with _pytest.raises(ConfigError, match="health.straggler_factor"):
+        JobConfig.from_dict({**base, "health": {"straggler_factor": 0.5}})
+    ok = JobConfig.from_dict({**base, "health": {"retry_user_errors": 1, "exclude_node_after_failures": 2},
+                              "chaos": [{"fault": "oom_worker", "at_step": 3, "rank": 1}]})
+    assert ok.health.retry_user_errors == 1 and ok.timeouts.hang_timeout_s < ok.timeouts.collective_timeout_s

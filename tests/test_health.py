@@ -1,4 +1,4 @@
-from airay.health import RankOutcome, classify_round
+from airay.health import Failure, RankOutcome, classify_round, find_hung, find_stragglers, position, summarize_failures
 
 
 def test_all_ok():
@@ -19,3 +19,65 @@ def test_user_error_fails_fast_with_rank_and_traceback():
 def test_comm_error_without_loss():
     v = classify_round([RankOutcome(0, "errored", "gloo timeout"), RankOutcome(1, "ok")])
     assert v.kind == "comm_error" and v.lost_ranks == ()
+
+
+def test_infrastructure_errors_are_lost_ranks_not_user_errors():
+    # A MemoryError inside the step is the machine's limit; a lost object is a lost node's.
+    v = classify_round([RankOutcome(0, "errored", "MemoryError", cause="MemoryError"),
+                        RankOutcome(1, "errored", "gloo: connection reset", cause="RuntimeError")])
+    assert v.kind == "lost" and v.lost_ranks == (0,) and v.outcomes[0].fault == "oom"
+    v = classify_round([RankOutcome(0, "ok"), RankOutcome(1, "errored", "lost", cause="ObjectLostError")])
+    assert v.kind == "lost" and v.outcomes[1].fault == "object_lost"
+    v = classify_round([RankOutcome(0, "hung", "no progress"), RankOutcome(1, "errored", "reset")])
+    assert v.kind == "lost" and v.lost_ranks == (0,) and v.outcomes[0].fault == "hung"
+
+
+def test_user_error_wins_over_collateral_comm_errors_but_not_over_a_loss():
+    v = classify_round([RankOutcome(0, "errored", "gloo reset"),
+                        RankOutcome(1, "errored", "ValueError", user_error=True, cause="UserCodeError")])
+    assert v.kind == "user_error" and "rank 1" in v.message
+    v = classify_round([RankOutcome(0, "died"), RankOutcome(1, "errored", "ValueError", user_error=True)])
+    assert v.kind == "lost"
+
+
+def test_phase_positions_order_progress_within_a_step():
+    assert position({"step": 3, "micro": 0, "phase": "forward"}) < position({"step": 3, "micro": 0, "phase": "backward"})
+    assert position({"step": 3, "micro": 1, "phase": "data"}) > position({"step": 3, "micro": 0, "phase": "optimizer"})
+    assert position({}) < position({"step": 0, "micro": -1, "phase": "data"})
+
+
+def test_find_hung_names_the_rank_the_others_wait_for():
+    fwd, coll = (5, 0, 2), (5, 1, 3)  # rank 1 stuck in forward; the others blocked in the all-reduce
+    positions = {0: coll, 1: fwd, 2: coll}
+    changed = {0: 7.0, 1: 2.0, 2: 7.5}
+    assert find_hung(positions, changed, {0, 1, 2}, now=4.0, hang_timeout_s=3) == []
+    assert find_hung(positions, changed, {0, 1, 2}, now=8.0, hang_timeout_s=3) == [1]  # others still moved
+    assert find_hung(positions, changed, {0, 1, 2}, now=11.0, hang_timeout_s=3) == [1]  # all stalled, 1 behind
+    # the furthest-behind rank still moves: the stalled ones wait on it
+    assert find_hung({0: coll, 1: fwd}, {0: 0.0, 1: 10.0}, {0, 1}, now=11.0, hang_timeout_s=3) == []
+
+
+def test_find_hung_prefers_a_rank_whose_heartbeat_stopped():
+    positions = {0: (5, 0, 2), 1: (5, 0, 2)}
+    assert find_hung(positions, {0: 0.0, 1: 0.0}, {0}, now=5.0, hang_timeout_s=3) == [1]
+
+
+def test_find_hung_all_ranks_stuck_at_the_same_place():
+    positions = {0: (5, 0, 2), 1: (5, 0, 2)}
+    assert find_hung(positions, {0: 0.0, 1: 0.0}, {0, 1}, now=5.0, hang_timeout_s=3) == [0, 1]
+
+
+def test_find_stragglers_uses_local_time_and_both_thresholds():
+    fast, slow = [0.05, 0.06, 0.05], [0.45, 0.5, 0.46]
+    assert find_stragglers([fast, slow, fast, fast], factor=2.0, min_excess_s=0.1) == [1]
+    assert find_stragglers([fast, fast, fast], factor=2.0, min_excess_s=0.1) == []
+    # twice as slow but only by 50 ms: noise on a busy machine, not a straggler
+    assert find_stragglers([[0.05], [0.1], [0.05]], factor=1.5, min_excess_s=0.1) == []
+    assert find_stragglers([fast], factor=2.0, min_excess_s=0.1) == []
+
+
+def test_summarize_failures_names_kinds_ranks_nodes_steps():
+    text = summarize_failures([Failure(1.0, "died", 1, "abcdef1234", 7), Failure(2.0, "died", 2, "abcdef1234", 9),
+                               Failure(3.0, "hung", 0, "99999999aa", 12)])
+    assert "died x2: ranks [1, 2], nodes ['abcdef12'], steps [7, 9]" in text
+    assert "hung x1: ranks [0]" in text

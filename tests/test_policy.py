@@ -54,3 +54,29 @@ def test_should_grow():
 def test_rounds_stop_at_checkpoints_and_before_faults(step, faults, expected):
     assert policy.next_round_end(step, 20, 5, 5, faults) == expected
     assert policy.next_round_end(step, 20, 100, 10, []) == min(20, (step // 10 + 1) * 10)
+
+
+def test_failure_budget_counts_a_sliding_window():
+    from airay.policy import budget_exceeded, failures_in_window
+
+    ts = [0.0, 100.0, 200.0, 290.0]
+    assert failures_in_window(ts, now=300.0, window_s=150.0) == 2
+    assert not budget_exceeded(ts, now=300.0, window_s=150.0, max_failures=2)
+    assert budget_exceeded(ts + [299.0], now=300.0, window_s=150.0, max_failures=2)
+    assert not budget_exceeded(ts + [299.0], now=1000.0, window_s=150.0, max_failures=2)  # all aged out
+
+
+def test_restart_backoff_doubles_and_caps():
+    from airay.policy import restart_backoff_s
+
+    assert [restart_backoff_s(n, 1.0, 5.0) for n in (1, 2, 3, 4, 5)] == [0.0, 1.0, 2.0, 4.0, 5.0]
+    assert restart_backoff_s(6, 0.0, 5.0) == 0.0
+
+
+def test_nodes_to_exclude():
+    from airay.policy import nodes_to_exclude
+
+    counts = {"a": 2, "b": 1, "c": 3}
+    assert nodes_to_exclude(counts, 2, set()) == ["a", "c"]
+    assert nodes_to_exclude(counts, 2, {"a"}) == ["c"]
+    assert nodes_to_exclude(counts, 0, set()) == []

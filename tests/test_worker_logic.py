@@ -36,3 +36,25 @@ def test_engine_config_sets_batch_fields_without_touching_the_spec():
     assert "torch_adam" not in base["optimizer"]["params"] and "train_batch_size" not in base
     assert "torch_adam" not in engine_config(base, BatchPlan(1, 1, 1), on_cpu=False,
                                              load_universal=False)["optimizer"]["params"]
+
+
+def test_memory_errors_in_user_code_stay_memory_errors():
+    # Running out of memory inside the loss is the machine's limit: it must reach the driver as
+    # MemoryError (replace the worker), not as UserCodeError (fail the run).
+    import pytest
+
+    from airay.worker import TrainWorker, UserCodeError
+
+    w = TrainWorker.__new__(TrainWorker)
+    w.rank = 3
+
+    def oom():
+        raise MemoryError()
+
+    def bug():
+        raise TypeError("bad arg")
+
+    with pytest.raises(MemoryError):
+        w._user(oom)
+    with pytest.raises(UserCodeError, match="rank 3: TypeError: bad arg"):
+        w._user(bug)

@@ -1,0 +1,102 @@
+"""Fault injection at named points (the spec's `chaos:` list), so tests and demos use one path.
+
+The driver decides which rank gets which fault at which step (`round_faults`, pure); the worker
+strikes it inside the step (`strike`), where a real fault of that kind would happen. Faults that
+act on files or nodes (corrupt_checkpoint, remove_node, add_node) are carried out by the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+# Faults a worker strikes inside its step; the rest act on the cluster or on files.
+STEP_FAULTS = ("kill_worker", "hang_worker", "raise_in_user_code", "oom_worker", "slow_worker")
+
+# How far above its current address space a worker told to run out of memory may grow: small,
+# so the fault never takes memory from the rest of a shared machine.
+OOM_HEADROOM_BYTES = 128 * 1024**2
+
+
+class ChaosError(ValueError):
+    """What raise_in_user_code raises, as the user's code would."""
+
+
+def round_faults(chaos: list, fired: set[int], start: int, end: int, world: int) -> dict[int, dict[int, dict]]:
+    """{rank: {step: fault}} for the round [start, end): one-shot faults whose step is `start`
+    and not yet fired, and slow_worker's slow steps. Ranks outside the world are left out
+    (the controller records those faults as skipped)."""
+    out: dict[int, dict[int, dict]] = {}
+    for i, c in enumerate(chaos):
+        if c.fault not in STEP_FAULTS or c.rank >= world:
+            continue
+        if c.fault == "slow_worker":
+            steps = range(max(start, c.at_step), min(end, c.at_step + c.steps))
+        else:
+            steps = range(start, start + 1) if c.at_step == start and i not in fired else range(0)
+        for step in steps:
+            out.setdefault(c.rank, {})[step] = {"fault": c.fault, "hang_mode": c.hang_mode, "delay_s": c.delay_s}
+    return out
+
+
+def strike(fault: dict[str, Any], step: int, rank: int) -> None:
+    """Carry out a step fault in this worker process, inside the step."""
+    kind = fault["fault"]
+    if kind == "kill_worker":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "hang_worker":
+        if fault["hang_mode"] == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, the heartbeat too
+        else:
+            while True:  # a blocking call that never returns; the heartbeat thread runs on
+                time.sleep(3600)
+    elif kind == "raise_in_user_code":
+        raise ChaosError(f"chaos raise_in_user_code at step {step} on rank {rank}")
+    elif kind == "oom_worker":
+        exhaust_memory()
+    elif kind == "slow_worker":
+        time.sleep(fault["delay_s"])
+
+
+def exhaust_memory(headroom: int = OOM_HEADROOM_BYTES) -> None:
+    """Allocate until MemoryError, inside an address-space cap just above the current use.
+
+    The cap (RLIMIT_AS) bounds what this can take from the machine to `headroom`. It is lifted
+    again before the MemoryError propagates, so the worker can still tear down its world.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_vm_size_bytes() + headroom, hard))
+    held = []
+    try:
+        while True:
+            held.append(bytearray(16 * 1024**2))
+    finally:
+        held.clear()
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _vm_size_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def corrupt_checkpoint(path: str | os.PathLike, load_tag: str) -> str:
+    """Flip bytes in the middle of the largest file the checkpoint would load; sizes stay the same
+    (so only checksums can tell). Returns the file's path relative to the checkpoint."""
+    path = Path(path)
+    files = [p for p in (path / load_tag).rglob("*") if p.is_file()]
+    target = max(files, key=lambda p: p.stat().st_size)
+    size = target.stat().st_size
+    with open(target, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(64)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    return str(target.relative_to(path))

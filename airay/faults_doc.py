@@ -1,0 +1,162 @@
+"""docs/FAULTS.md from the fault matrix's measured results.
+
+    AIRAY_FAULT_RESULTS=fault_results.json python -m pytest -q tests/test_fault_matrix.py
+    python -m airay.faults_doc fault_results.json > docs/FAULTS.md
+
+MATRIX is the documented outcome of each fault; tests/test_fault_matrix.py asserts every case
+ends that way, and tests/test_faults_doc.py checks docs/FAULTS.md lists exactly these cases.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Row:
+    fault: str  # what the spec's chaos entry (and health fields) say
+    detected: str
+    action: str
+    outcome: str  # recovered | failed fast | continued
+
+
+MATRIX: dict[str, Row] = {
+    "kill_worker": Row(
+        "`kill_worker` (SIGKILL a rank mid-step)",
+        "the rank's train call fails with RayActorError (actor died)",
+        "survivors abort their collectives, the world shrinks, reloads the last checkpoint, regrows when the "
+        "replacement in the same bundle is ready",
+        "recovered"),
+    "kill_node": Row(
+        "`remove_node` (a node's raylet and processes die; `add_node` later)",
+        "RayActorError 'unavailable', then Ray's health check declares the node dead (`node_lost`)",
+        "shrink to the survivors; Ray re-places the dead node's bundles on free capacity; regrow",
+        "recovered"),
+    "hang_sleep": Row(
+        "`hang_worker` `hang_mode: sleep` (a blocking call inside the step)",
+        "heartbeat (control thread) answers but the rank's progress (step, micro-batch, phase) stands "
+        "still for `timeouts.hang_timeout_s` while it is the furthest behind (`hang_detected`, heartbeat true)",
+        "ray.kill the hung actor, then recover like a crash",
+        "recovered"),
+    "hang_sigstop": Row(
+        "`hang_worker` `hang_mode: sigstop` (the whole process stops)",
+        "heartbeat stops answering and progress stands still for `hang_timeout_s` (`hang_detected`, heartbeat false)",
+        "ray.kill the stopped actor, then recover like a crash",
+        "recovered"),
+    "raise_in_user_code": Row(
+        "`raise_in_user_code` (the loss function raises)",
+        "the rank's call raises UserCodeError (the worker wraps exceptions from model, loss and data code)",
+        "fail the run at once with the rank and the user's traceback (`run_failed`); no restart",
+        "failed fast"),
+    "raise_with_retry": Row(
+        "`raise_in_user_code` with `health.retry_user_errors: 1`",
+        "as above",
+        "retry from the last checkpoint, at most `retry_user_errors` times; then fail fast",
+        "recovered"),
+    "oom_worker": Row(
+        "`oom_worker` (address space capped just above use, allocate until MemoryError)",
+        "the rank's call raises MemoryError: an infrastructure fault (`worker_failed`, outcome oom)",
+        "replace the worker (fresh process), recover like a crash",
+        "recovered"),
+    "corrupt_checkpoint": Row(
+        "`corrupt_checkpoint` (flip bytes of the newest checkpoint, then kill `rank`)",
+        "CRC-32 of a file differs from the manifest when the checkpoint is chosen for loading "
+        "(`checkpoint_rejected`)",
+        "set it aside (rejected_step_N), load the previous good checkpoint, replay from there",
+        "recovered"),
+    "slow_worker": Row(
+        "`slow_worker` (a rank sleeps `delay_s` per step for `steps` steps)",
+        "per-rank local step time (data + forward, before collectives) > `health.straggler_factor` x "
+        "the others' median (`straggler_detected`)",
+        "report it and train on (no restart)",
+        "continued"),
+    "bad_node": Row(
+        "two `kill_worker` faults on ranks of the same node, `health.exclude_node_after_failures: 2`",
+        "per-node failure count reaches the threshold (`node_excluded`)",
+        "kill the node's workers, keep it out of placement (label selector `ray.io/node-id: !in(...)` on new "
+        "placement groups), regrow on other nodes",
+        "recovered"),
+    "failure_budget": Row(
+        "two `kill_worker` faults with `max_failures: 1`",
+        "more than `max_failures` failures within `health.failure_window_s`",
+        "fail the run with a summary of the failures (kinds, ranks, nodes, steps)",
+        "failed fast"),
+}
+
+
+def _num(v, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _path(results: dict) -> str:
+    """The results file the command wrote (its AIRAY_FAULT_RESULTS=...)."""
+    return results["command"].split("=", 1)[1].split()[0]
+
+
+def render(results: dict) -> str:
+    cases = results["cases"]
+    lines = [
+        "# Fault matrix",
+        "",
+        "What airay does for each fault, as `tests/test_fault_matrix.py` runs it against a real multi-node "
+        "Ray cluster (`ray.cluster_utils`, 3 nodes x 2 CPUs on one machine; 4 workers, tiny GPT, ZeRO-2, "
+        f"{results['max_steps']} steps, checkpoint every {results['every_n_steps']}, "
+        f"`timeouts.hang_timeout_s: {results['hang_timeout_s']}`). Every recovered run's committed losses "
+        "equal the fault-free run's at every step (rtol 1e-4).",
+        "",
+        "Times are seconds measured in that run on this machine "
+        f"({results['machine']}): **detect** = from the fault striking to airay noticing it (for a hang "
+        "this includes `hang_timeout_s`); **recover** = `recovery_s`, from detection to the first completed "
+        "step of the new world; for failed-fast faults, **detect** is the time to `run_failed`.",
+        "",
+        f"Generated by `{results['command']}` then `python -m airay.faults_doc {_path(results)} > docs/FAULTS.md` "
+        f"({results['date']}). Rows from one run show that run's world sizes: kill_worker and "
+        "corrupt_checkpoint are one run (a kill at step 6, the corruption and a kill at step 12), so are the "
+        "two hang modes (steps 6 and 13) and oom_worker with the retried user error (steps 6 and 12).",
+        "",
+        "| fault | detected by | airay does | outcome | world sizes | resumed step | detect s | recover s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in MATRIX.items():
+        c = cases.get(name)
+        if c is None:
+            raise ValueError(f"results lack case '{name}': run the whole tests/test_fault_matrix.py")
+        lines.append(f"| {row.fault} | {row.detected} | {row.action} | {c['outcome']} | "
+                     f"{c.get('world_sizes') or '-'} | {_num(c.get('resumed_step'), '{}')} | "
+                     f"{_num(c.get('detect_s'))} | {_num(c.get('recover_s'))} |")
+    lines += [
+        "",
+        "Notes:",
+        "",
+        "- `timeouts.hang_timeout_s` (default 60) must exceed the slowest phase of a step (one micro-batch's "
+        "forward, backward or optimizer step; progress is reported per phase, not per step) and be below "
+        "`timeouts.collective_timeout_s` (checked when the spec loads), so the hung rank is named before "
+        "its peers' collectives time out. Hang detection covers training rounds; checkpoint save and load "
+        "are bounded by the collective timeout. Detection takes hang_timeout_s plus up to two heartbeat polls "
+        "(every min(1 s, hang_timeout_s / 4)): the driver reads a heartbeat one poll after asking for it.",
+        "- A rank is hung when its progress stood still for `hang_timeout_s` and either its heartbeat stopped "
+        "answering or it is the furthest behind (the others wait for it in a collective); if every rank "
+        "stands still at the same point, all are hung.",
+        "- Infrastructure faults (actor or node death, hang, MemoryError / Ray OutOfMemoryError, lost objects) "
+        "recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
+        "of retries. Every recovery counts against `max_failures` within `health.failure_window_s`; "
+        "`health.restart_backoff_s` adds a doubling wait for recurring failures.",
+        "- An excluded node's bundles stay reserved by their placement groups until the run ends (Ray cannot "
+        "release one bundle of a group); new placement groups avoid it by label selector.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python -m airay.faults_doc RESULTS.json > docs/FAULTS.md")
+    with open(argv[0]) as f:
+        sys.stdout.write(render(json.load(f)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Each fault of the chaos spec against a real multi-node Ray cluster, with its documented outcome.
+
+One cluster (3 raylets x 2 CPUs: 4 workers on two nodes, one node spare) serves the module; a
+fault-free run is the baseline every recovered run's committed losses must equal (rtol 1e-4, the
+tolerance argued in tests/test_elastic.py). Kill and node-loss recovery at length, ZeRO-3 and the
+min_workers floor are covered by tests/test_elastic.py; here each fault runs once, short.
+
+Measured detect/recover times go to the JSON named by AIRAY_FAULT_RESULTS (docs/FAULTS.md is
+generated from it: python -m airay.faults_doc). The outcome of each case is airay.faults_doc.MATRIX's.
+"""
+
+import json
+import os
+import platform
+import time
+
+import pytest
+import ray
+
+from airay import JobConfig, fit
+from airay.config import LocalClusterSpec
+from airay.events import committed_losses, read_jsonl
+from airay.faults_doc import MATRIX
+from airay.local_cluster import LocalCluster
+from tests.conftest import assert_released
+
+pytestmark = pytest.mark.cluster
+
+RTOL = 1e-4
+STEPS = 20
+EVERY = 5
+HANG_TIMEOUT_S = 4.0
+
+
+def spec(run_dir, chaos=(), **overrides):
+    data = {
+        "name": run_dir.name,
+        "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.05}},
+        "loss_fn": "airay.models.tiny_gpt:loss",
+        "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 2}},
+        "global_batch_size": 24, "micro_batch_size": 4, "max_steps": STEPS, "steps_per_round": 5,
+        "scaling": {"min_workers": 2, "max_workers": 4},
+        "checkpoint": {"every_n_steps": EVERY},
+        "timeouts": {"capacity_wait_s": 30, "hang_timeout_s": HANG_TIMEOUT_S, "collective_timeout_s": 30,
+                     "survivor_drain_s": 10},
+        "chaos": list(chaos),
+        "run_dir": str(run_dir),
+    }
+    data.update(overrides)
+    return JobConfig.from_dict(data)
+
+
+def events(result, *types):
+    return [e for e in read_jsonl(f"{result.run_dir}/events.jsonl") if e["type"] in types]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    lc = LocalCluster(LocalClusterSpec(local_nodes=3, cpus_per_node=2))
+    ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
+    yield lc
+    ray.shutdown()
+    lc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = {"cases": {}}
+    yield out["cases"]
+    path = os.environ.get("AIRAY_FAULT_RESULTS")
+    if path:
+        out.update(max_steps=STEPS, every_n_steps=EVERY, hang_timeout_s=HANG_TIMEOUT_S,
+                   machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   command=f"AIRAY_FAULT_RESULTS={path} python -m pytest -q tests/test_fault_matrix.py")
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster, tmp_path_factory):
+    result = fit(spec(tmp_path_factory.mktemp("base") / "baseline"), echo=False, local_cluster=cluster)
+    assert result.status == "finished" and result.world_sizes == [4] and result.restarts == 0
+    losses = committed_losses(result.run_dir)
+    assert sorted(losses) == list(range(STEPS)) and losses[STEPS - 1] < losses[0] - 0.3  # it trained
+    assert_released()
+    return losses
+
+
+def run(cluster, tmp_path, name, chaos, **overrides):
+    result = fit(spec(tmp_path / name, chaos, **overrides), echo=False, local_cluster=cluster)
+    assert_released()
+    return result
+
+
+def record(results, name, result, detect_s, outcome, failure_index=0):
+    """Check the documented outcome and keep the measured times for docs/FAULTS.md."""
+    assert outcome == MATRIX[name].outcome
+    failures = [r for r in result.resizes if r["reason"] == "failure"][failure_index:]
+    results[name] = {"outcome": outcome, "world_sizes": result.world_sizes, "detect_s": detect_s,
+                     "recover_s": failures[0]["recovery_s"] if failures else None,
+                     "resumed_step": failures[0]["resumed_step"] if failures else None,
+                     "restarts": result.restarts, "wall_s": result.wall_s}
+
+
+def assert_recovered(result, baseline, world_sizes_start=(4,), steps=STEPS):
+    """Finished, shrank as expected (regrowth depends on how fast a replacement warms up on this
+    busy machine; tests/test_elastic.py checks it on longer runs) and trained exactly like the
+    fault-free run."""
+    assert result.status == "finished" and result.final_step == steps, result.error
+    assert tuple(result.world_sizes[:len(world_sizes_start)]) == tuple(world_sizes_start)
+    losses = committed_losses(result.run_dir)
+    assert sorted(losses) == list(range(steps))
+    for step, loss in baseline.items():
+        assert losses[step] == pytest.approx(loss, rel=RTOL), step
+
+
+def test_kill_worker_then_corrupt_checkpoint(cluster, tmp_path, baseline, results):
+    """A crash resumes from the newest checkpoint; after the step-10 checkpoint is corrupted, the
+    next crash is rejected it (checksums) and resumes from step 5 instead."""
+    result = run(cluster, tmp_path, "kill-corrupt", [{"fault": "kill_worker", "at_step": 6, "rank": 1},
+                                                      {"fault": "corrupt_checkpoint", "at_step": 12, "rank": 1}])
+    assert_recovered(result, baseline, (4, 3))
+    kill, corrupt = events(result, "worker_failed")
+    assert (kill["rank"], kill["outcome"], kill["step"]) == (1, "died", 6)
+    assert (corrupt["rank"], corrupt["outcome"], corrupt["step"]) == (1, "died", 12)
+    (rejected,) = events(result, "checkpoint_rejected")
+    assert rejected["step"] == 10 and "CRC-32 mismatch" in rejected["reason"]
+    loaded = [e["step"] for e in events(result, "checkpoint_loaded")]
+    failures = [r for r in result.resizes if r["reason"] == "failure"]
+    assert [r["resumed_step"] for r in failures] == [5, 5]  # the second fell back past step 10
+    assert loaded[0] == 5 and 5 in loaded[1:] and 10 not in loaded
+    record(results, "kill_worker", result, kill["detection_s"], "recovered")
+    record(results, "corrupt_checkpoint", result, corrupt["detection_s"], "recovered", failure_index=1)
+
+
+def test_kill_node(cluster, tmp_path, baseline, results):
+    result = run(cluster, tmp_path, "node", [{"fault": "remove_node", "at_step": 6, "rank": 0},
+                                              {"fault": "add_node", "at_step": 8}])
+    assert_recovered(result, baseline, (4, 2))  # ranks 0 and 1 share the lost node
+    lost = events(result, "node_lost")
+    assert sorted(e["rank"] for e in lost) == [0, 1] and len({e["node_id"] for e in lost}) == 1
+    record(results, "kill_node", result, min(e["detection_s"] for e in lost), "recovered")
+
+
+def test_hangs_are_detected_killed_and_recovered(cluster, tmp_path, baseline, results):
+    """A blocking call inside the step (heartbeat answers, progress stands still), then a stopped
+    process (heartbeat silent)."""
+    result = run(cluster, tmp_path, "hang", [{"fault": "hang_worker", "at_step": 6, "rank": 1, "hang_mode": "sleep"},
+                                              {"fault": "hang_worker", "at_step": 13, "rank": 2,
+                                               "hang_mode": "sigstop"}])
+    assert_recovered(result, baseline, (4, 3))
+    sleep, stop = events(result, "hang_detected")
+    assert (sleep["rank"], sleep["step"], sleep["heartbeat"]) == (1, 6, True)
+    assert (stop["rank"], stop["step"], stop["heartbeat"]) == (2, 13, False)  # a stopped process cannot answer
+    for hang in (sleep, stop):
+        assert hang["stalled_s"] >= HANG_TIMEOUT_S and hang["detection_s"] >= HANG_TIMEOUT_S
+    assert events(result, "worker_failed") == []  # the peers' aborted collectives are not failures
+    record(results, "hang_sleep", result, sleep["detection_s"], "recovered")
+    record(results, "hang_sigstop", result, stop["detection_s"], "recovered", failure_index=1)
+
+
+def test_user_code_error_fails_fast_with_rank_and_traceback(cluster, tmp_path, results):
+    result = run(cluster, tmp_path, "raise", [{"fault": "raise_in_user_code", "at_step": 6, "rank": 1}])
+    assert result.status == "failed" and result.restarts == 0 and result.world_sizes == [4]
+    assert "user code failed on rank 1" in result.error and "ChaosError: chaos raise_in_user_code at step 6" \
+        in result.error
+    assert "Traceback" in result.error and "retry_user_errors" in result.error
+    assert events(result, "resize_started") == []
+    t_fault = events(result, "fault_injected")[0]["ts"]
+    record(results, "raise_in_user_code", result, events(result, "run_failed")[0]["ts"] - t_fault, "failed fast")
+
+
+def test_out_of_memory_recovers_and_user_error_is_retried_when_the_spec_opts_in(cluster, tmp_path, baseline,
+                                                                                 results):
+    result = run(cluster, tmp_path, "oom-retry", [{"fault": "oom_worker", "at_step": 6, "rank": 1},
+                                                   {"fault": "raise_in_user_code", "at_step": 12, "rank": 0}],
+                 health={"retry_user_errors": 1})
+    assert_recovered(result, baseline, (4, 3))
+    oom, user = events(result, "worker_failed")
+    assert (oom["rank"], oom["outcome"], oom["step"]) == (1, "oom", 6) and "MemoryError" in oom["error"]
+    assert (user["outcome"], user["step"]) == ("user_error", 12) and "rank 0" in user["error"]
+    assert result.restarts == 2
+    record(results, "oom_worker", result, oom["detection_s"], "recovered")
+    t_raise = events(result, "fault_injected")[1]["ts"]
+    record(results, "raise_with_retry", result, user["ts"] - t_raise, "recovered", failure_index=1)
+
+
+def test_slow_worker_is_reported_as_straggler_and_training_goes_on(cluster, tmp_path, baseline, results):
+    result = run(cluster, tmp_path, "slow", [{"fault": "slow_worker", "at_step": 6, "rank": 2, "delay_s": 0.4,
+                                              "steps": 4}])
+    assert result.status == "finished" and result.world_sizes == [4] and result.restarts == 0
+    (straggler,) = events(result, "straggler_detected")
+    assert straggler["rank"] == 2 and 6 <= straggler["step"] < 10 and straggler["local_s"] >= 0.4
+    assert committed_losses(result.run_dir) == pytest.approx(baseline, rel=RTOL)
+    t_fault = events(result, "fault_injected")[0]["ts"]
+    record(results, "slow_worker", result, straggler["ts"] - t_fault, "continued")
+
+
+def test_bad_node_is_excluded_and_the_world_regrows_elsewhere(cluster, tmp_path, baseline, results):
+    # Ranks are grouped by node: 0 and 1 share a node. Killing rank 0 twice (the second time it is
+    # the former rank 1, renumbered after the first shrink) fails that node twice. min_workers 3
+    # makes the run wait for workers on the spare node rather than race their warm-up.
+    result = run(cluster, tmp_path, "badnode", [{"fault": "kill_worker", "at_step": 2, "rank": 0},
+                                                 {"fault": "kill_worker", "at_step": 4, "rank": 0}],
+                 health={"exclude_node_after_failures": 2}, scaling={"min_workers": 3, "max_workers": 4})
+    assert_recovered(result, baseline, (4, 3))
+    failed = events(result, "worker_failed")
+    assert len(failed) == 2 and failed[0]["node_id"] == failed[1]["node_id"]
+    bad = failed[0]["node_id"]
+    (excluded,) = events(result, "node_excluded")
+    assert excluded["node_id"] == bad and excluded["failures"] == 2 and excluded["step"] == 4
+    formed = events(result, "world_formed")
+    first = {w["node_id"] for w in formed[0]["workers"]}
+    later = [f for f in formed if f["ts"] > excluded["ts"]]
+    assert later and all(bad not in [w["node_id"] for w in f["workers"]] for f in later)
+    assert len(later[0]["workers"]) >= 3  # regrown past the two survivors ...
+    assert {w["node_id"] for w in later[0]["workers"]} - first  # ... on the node that was spare
+    record(results, "bad_node", result, failed[1]["detection_s"], "recovered")
+
+
+def test_failure_budget_fails_cleanly_with_a_summary(cluster, tmp_path, results):
+    result = run(cluster, tmp_path, "budget", [{"fault": "kill_worker", "at_step": 3, "rank": 1},
+                                                {"fault": "kill_worker", "at_step": 8, "rank": 1}],
+                 max_failures=1, health={"failure_window_s": 600})
+    assert result.status == "failed"
+    assert "2 failures within health.failure_window_s=600s exceed max_failures=1" in result.error
+    assert "died x2: ranks [1]" in result.error and "steps [3, 8]" in result.error
+    assert events(result, "run_failed")[0]["error"] == result.error
+    t_fault = events(result, "fault_injected")[-1]["ts"]
+    record(results, "failure_budget", result, events(result, "run_failed")[0]["ts"] - t_fault, "failed fast")

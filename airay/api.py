@@ -9,6 +9,7 @@ from pathlib import Path
 from airay.config import ConfigError, JobConfig
 from airay.controller import Controller, Result
 from airay.events import RunRecorder
+from airay.feeder import prepare
 from airay.local_cluster import LocalCluster
 
 
@@ -32,6 +33,7 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
     if config.needs_local_cluster and config.cluster is None and local_cluster is None:
         raise ConfigError("chaos remove_node/add_node act on a local cluster: set cluster.local_nodes "
                           "(or pass local_cluster= to airay.fit)")
+    config, stream = prepare(config)  # the dataset is checked (and max_steps resolved) before Ray starts
     run_dir = resolve_run_dir(config)
     recorder = RunRecorder(run_dir, echo=echo)
     config = config.model_copy(update={"run_dir": str(run_dir)})
@@ -54,7 +56,7 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
             ray.init(address=config.ray_address or os.environ.get("RAY_ADDRESS") or None,
                      logging_level="WARNING", log_to_driver=echo)
             started_ray = True
-        return Controller(config, recorder, local or local_cluster).run()
+        return Controller(config, recorder, local or local_cluster, stream).run()
     finally:
         recorder.close()
         if started_ray:

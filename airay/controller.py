@@ -18,6 +18,7 @@ from airay import policy
 from airay.checkpoint import CheckpointInfo, Checkpointer
 from airay.config import JobConfig
 from airay.events import RunRecorder
+from airay.feeder import DataLog, Feeder, Stream
 from airay.health import RoundVerdict, classify_round
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
@@ -71,7 +72,8 @@ class _PendingResize:
 
 
 class Controller:
-    def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None):
+    def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None,
+                 stream: Stream | None = None):
         self.cfg = config
         self.rec = recorder
         self.local = local
@@ -80,6 +82,10 @@ class Controller:
         root = config.checkpoint.path or str(recorder.run_dir / "checkpoints")
         self.ckpt = Checkpointer(root, config.zero_stage, config.checkpoint.keep_last, recorder)
         self.group: WorkerGroup | None = None
+        # A streamed dataset's feeder buffers a round plus what workers prefetch beyond it.
+        self.feeder = Feeder(stream, config.max_steps, config.steps_per_round + config.data.prefetch_steps + 1,
+                             config.data.readers) if stream is not None else None
+        self.data_log = DataLog(recorder, config.data.record_sample_ids)
         self.state = State.STARTING
         self.step = 0
         self.restarts = 0
@@ -108,6 +114,9 @@ class Controller:
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RunFailed) else str(exc)
             self.state = State.FAILED
         finally:
+            self.data_log.close()
+            if self.feeder is not None:
+                self.feeder.close()
             if self.group is not None:
                 self.group.shutdown()
         return self._result(error)
@@ -116,6 +125,9 @@ class Controller:
 
     def _starting(self) -> State:
         sc = self.cfg.scaling
+        if self.feeder is not None:  # the data pipeline starts up while workers do
+            latest = self.ckpt.latest()
+            self.feeder.seek(latest.step if latest else 0)
         per_worker = sc.resources_per_worker or default_worker_resources(ray.cluster_resources())
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                  self.cfg.timeouts.survivor_drain_s)
@@ -158,8 +170,9 @@ class Controller:
         if self.pending_resize is not None:
             end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
         die_at, after_launch = self._inject(self.step, [c for c in faults if c.at_step == self.step])
+        feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps) if self.feeder else None
         t_launch = time.time()
-        outcomes, values = self.group.train(self.step, end, die_at, after_launch)
+        outcomes, values = self.group.train(self.step, end, die_at, after_launch, feed)
         if not self._ok(outcomes, fault_ts=t_launch if die_at or after_launch else None):
             return State.RECOVERING
         self._record_steps(self.step, end, values)
@@ -239,6 +252,8 @@ class Controller:
               reason: str = "start", parts: dict[str, float] | None = None) -> bool:
         """Form a world of `size`, load `ckpt` (or start at step 0). False: a rank was lost meanwhile."""
         t_form = time.time()
+        if self.feeder is not None:
+            self.feeder.seek(ckpt.step if ckpt else 0)
         outcomes, timings = self.group.form(size, self.plans[size], load_universal=bool(ckpt and ckpt.load_tag == "universal"))
         if not self._ok(outcomes):
             return False
@@ -248,6 +263,8 @@ class Controller:
             if not self._ok(outcomes):
                 return False
             self.step = values[0]["step"]
+            if self.feeder is not None:
+                self.feeder.check_position(values[0].get("data_position"), self.step)
             self.rec.event("checkpoint_loaded", step=self.step, path=str(ckpt.path), world_size=size,
                            saved_world_size=ckpt.world_size, load_s=time.time() - t_load)
         else:
@@ -278,7 +295,8 @@ class Controller:
         return False
 
     def _checkpoint(self) -> bool:
-        outcomes = self.ckpt.save(self.group, self.step)
+        outcomes = self.ckpt.save(self.group, self.step,
+                                  self.feeder.position(self.step) if self.feeder is not None else None)
         return self._ok(outcomes)
 
     def _can_grow(self) -> bool:
@@ -332,6 +350,7 @@ class Controller:
             self.rec.metric(step=step, loss=loss, world_size=world, global_batch_size=gbs,
                             samples_per_s=gbs / step_time if step_time > 0 else 0.0, step_time_s=step_time,
                             data_wait_s=max(r["data_wait_s"] for r in per_rank), ts=time.time())
+        self.data_log.record(start, values)
         if self.pending_resize is not None:
             p = self.pending_resize
             self.pending_resize = None

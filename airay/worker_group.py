@@ -139,14 +139,15 @@ class WorkerGroup:
     # ---- collective calls ------------------------------------------------------------------
 
     def train(self, start: int, end: int, die_at: dict[int, list[int]],
-              after_launch: Callable[[], None] | None = None) -> tuple[list[RankOutcome], list]:
-        refs = [m.actor.train.remote(start, end, die_at.get(rank)) for rank, m in enumerate(self.active)]
+              after_launch: Callable[[], None] | None = None,
+              feed: dict[int, list] | None = None) -> tuple[list[RankOutcome], list]:
+        refs = [m.actor.train.remote(start, end, die_at.get(rank), feed) for rank, m in enumerate(self.active)]
         if after_launch is not None:
             after_launch()
         return self._gather(refs)
 
-    def save(self, path: str, step: int) -> tuple[list[RankOutcome], list]:
-        return self._gather([m.actor.save.remote(path, step) for m in self.active])
+    def save(self, path: str, step: int, data_position: dict | None = None) -> tuple[list[RankOutcome], list]:
+        return self._gather([m.actor.save.remote(path, step, data_position) for m in self.active])
 
     def load(self, path: str, tag: str) -> tuple[list[RankOutcome], list]:
         return self._gather([m.actor.load.remote(path, tag) for m in self.active])

@@ -1,0 +1,68 @@
+"""What the data pipeline's readers run: build one window of a streamed dataset.
+
+Imported by Ray Data's reader actors, so it stays light: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from airay.config import resolve_callable
+from airay.parquet import DataError, ParquetDataset, to_numpy
+from airay.sampling import EpochLayout
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Everything a map task needs to build any window (pickled into the tasks)."""
+
+    dataset: ParquetDataset
+    layout: EpochLayout
+    preprocess: str | None
+    preprocess_kwargs: dict[str, Any]
+
+    def position(self, step: int) -> dict[str, Any]:
+        epoch, in_epoch = self.layout.position(step)
+        return {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "seed": self.layout.seed,
+                "rows": self.layout.rows, "global_batch_size": self.layout.global_batch_size,
+                "fingerprint": self.dataset.fingerprint}
+
+
+def make_batch(dataset: ParquetDataset, ids: np.ndarray, preprocess: str | None,
+               preprocess_kwargs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Rows `ids` as a preprocessed batch of numpy arrays, plus their `sample_id`s."""
+    batch = to_numpy(dataset.read_rows(ids))
+    if preprocess is not None:
+        batch = resolve_callable(preprocess)(batch, **preprocess_kwargs)
+    if not isinstance(batch, dict):
+        raise DataError(f"data.preprocess must return a dict of arrays, got {type(batch).__name__}")
+    if "sample_id" in batch:
+        raise DataError("data.preprocess returned a 'sample_id' key: airay adds it (the row's id); rename it")
+    out = {}
+    for key, value in batch.items():
+        arr = np.asarray(value)
+        if arr.ndim == 0 or len(arr) != len(ids):
+            raise DataError(f"data.preprocess returned '{key}' with {len(arr) if arr.ndim else 0} rows for "
+                            f"{len(ids)} input rows; it must map each row to one row")
+        if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+            raise DataError(f"column '{key}' has dtype {arr.dtype}, which cannot become a torch tensor; "
+                            "convert it in data.preprocess (e.g. np.frombuffer for bytes) or leave it out "
+                            "of data.columns")
+        out[key] = arr
+    out["sample_id"] = ids.astype(np.int64)
+    return out
+
+
+class WindowReader:
+    """Ray Data map UDF: a window descriptor {epoch, window} -> that window's rows, in order."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+
+    def __call__(self, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        epoch, window = int(item["epoch"][0]), int(item["window"][0])
+        ids = self.stream.layout.window_rows(epoch, window)
+        return make_batch(self.stream.dataset, ids, self.stream.preprocess, self.stream.preprocess_kwargs)

@@ -66,3 +66,14 @@ class WindowReader:
         epoch, window = int(item["epoch"][0]), int(item["window"][0])
         ids = self.stream.layout.window_rows(epoch, window)
         return make_batch(self.stream.dataset, ids, self.stream.preprocess, self.stream.preprocess_kwargs)
+
+
+def bytes_to_uint8(batch: dict[str, np.ndarray], columns: list[str]) -> dict[str, np.ndarray]:
+    """A ready-made data.preprocess: binary columns of equal-length values -> uint8 arrays
+    (rows x bytes), so they can become tensors. Other columns pass through."""
+    out = dict(batch)
+    for name in columns:
+        values = batch[name]
+        out[name] = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), -1) if len(values) \
+            else np.zeros((0, 0), np.uint8)
+    return out

@@ -73,7 +73,7 @@ class _PendingResize:
 
 class Controller:
     def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None,
-                 stream: Stream | None = None):
+                 stream: Stream | None = None, dataset=None):
         self.cfg = config
         self.rec = recorder
         self.local = local
@@ -84,7 +84,7 @@ class Controller:
         self.group: WorkerGroup | None = None
         # A streamed dataset's feeder buffers a round plus what workers prefetch beyond it.
         self.feeder = Feeder(stream, config.max_steps, config.steps_per_round + config.data.prefetch_steps + 1,
-                             config.data.readers) if stream is not None else None
+                             config.data.readers, dataset) if stream is not None else None
         self.data_log = DataLog(recorder, config.data.record_sample_ids)
         self.state = State.STARTING
         self.step = 0

@@ -26,7 +26,7 @@ import numpy as np
 
 from airay.config import JobConfig, resolve_callable
 from airay.parquet import DataError, scan
-from airay.reader import Stream, WindowReader, make_batch
+from airay.reader import Stream, WindowAssembler, WindowReader, finish_batch, make_batch
 from airay.sampling import EpochLayout, check_batch_schema, data_stalled
 
 SCHEMA_PROBE_ROWS = 4
@@ -60,22 +60,51 @@ def prepare(config: JobConfig) -> tuple[JobConfig, Stream | None]:
         raise DataError(f"data.paths hold {dataset.rows} rows, fewer than global_batch_size "
                         f"{config.global_batch_size}: not one step per epoch; add data or lower global_batch_size")
     config = resolve_max_steps(config, layout.steps_per_epoch)
-    stream = Stream(dataset, layout, spec.preprocess, spec.preprocess_kwargs)
+    stream = Stream(dataset, layout, spec.preprocess, spec.preprocess_kwargs, dataset.fingerprint)
     probe = np.arange(min(SCHEMA_PROBE_ROWS, dataset.rows))
+    check_probe(config, lambda: make_batch(dataset, probe, spec.preprocess, spec.preprocess_kwargs),
+                f"the first rows of '{dataset.files[0].path}'")
+    return config, stream
+
+
+def prepare_dataset(config: JobConfig, ds) -> tuple[JobConfig, Stream]:
+    """The same checks for a ray.data.Dataset passed to airay.fit (Ray is up: counting it runs
+    its pipeline on the cluster, the rows stay there). Its row order must be deterministic."""
+    spec = config.data
+    if spec.columns:
+        ds = ds.select_columns(spec.columns)
+    rows = ds.count()
+    if rows == 0:
+        raise DataError("the dataset passed to airay.fit(dataset=...) holds no rows")
+    # No random access: one chunk (rows keep the dataset's order), rows shuffled within windows.
+    layout = EpochLayout(rows, config.global_batch_size, spec.seed, rows, spec.window_steps, spec.shuffle)
+    if layout.steps_per_epoch == 0:
+        raise DataError(f"the dataset holds {rows} rows, fewer than global_batch_size {config.global_batch_size}")
+    config = resolve_max_steps(config, layout.steps_per_epoch)
+    import hashlib
+
+    fingerprint = hashlib.sha256(f"{rows}\0{ds.schema()}".encode()).hexdigest()[:16]
+    stream = Stream(None, layout, spec.preprocess, spec.preprocess_kwargs, fingerprint)
+    probe = ds.take_batch(min(SCHEMA_PROBE_ROWS, rows), batch_format="numpy")
+    check_probe(config, lambda: finish_batch(dict(probe), np.arange(len(next(iter(probe.values())))),
+                                             spec.preprocess, spec.preprocess_kwargs), "the dataset's first rows")
+    return config, stream
+
+
+def check_probe(config: JobConfig, build, where: str) -> None:
+    spec = config.data
     try:
-        batch = make_batch(dataset, probe, spec.preprocess, spec.preprocess_kwargs)
+        batch = build()
     except DataError:
         raise
     except Exception as exc:
-        raise DataError(f"data.preprocess '{spec.preprocess}' failed on the first rows of '{dataset.files[0].path}': "
-                        f"{type(exc).__name__}: {exc}") from exc
+        raise DataError(f"data.preprocess '{spec.preprocess}' failed on {where}: {type(exc).__name__}: {exc}") from exc
     expected = model_input_schema(config)
     if expected is not None:
         problems = check_batch_schema(batch, expected)
         if problems:
             raise DataError(f"the data does not fit model '{config.model.factory}' (kwargs {config.model.kwargs}): "
                             + "; ".join(problems) + ". Fix data.columns / data.preprocess or the model kwargs")
-    return config, stream
 
 
 def resolve_max_steps(config: JobConfig, steps_per_epoch: int) -> JobConfig:
@@ -96,8 +125,10 @@ def resolve_max_steps(config: JobConfig, steps_per_epoch: int) -> JobConfig:
 class Feeder:
     """Streams the global steps of a run; `steps(start, end)` returns their pieces."""
 
-    def __init__(self, stream: Stream, max_steps: int, capacity: int, readers: int = 2):
+    def __init__(self, stream: Stream, max_steps: int, capacity: int, readers: int = 2, dataset=None):
         self.stream, self.max_steps, self.capacity, self.readers = stream, max_steps, capacity, readers
+        self.dataset = dataset  # a user's ray.data.Dataset (stream.dataset is None then)
+        self._assembler = None
         self._cv = threading.Condition()
         self._ready: dict[int, list[Piece]] = {}
         self._low = 0         # steps below this were dropped (or never produced)
@@ -165,6 +196,11 @@ class Feeder:
             self._generation += 1
             self._ready.clear()
             self._cv.notify_all()
+        if self._assembler is not None:
+            import ray
+
+            ray.kill(self._assembler)
+            self._assembler = None
 
     # ---- the producer ---------------------------------------------------------------------
 
@@ -177,37 +213,25 @@ class Feeder:
         self._thread.start()
 
     def _produce(self, generation: int, start: int) -> None:
-        it = None
+        pieces_in = None
         try:
             layout, b = self.stream.layout, self.stream.layout.global_batch_size
-            ds, step = self._pipeline(start)
-            it = ds.iter_internal_ref_bundles()
+            step = layout.window_first_step(*layout.window_of(start))
+            pieces_in = self._dataset_pieces(start) if self.dataset is not None else self._parquet_pieces(start)
             pending: deque[list] = deque()
             have = 0
-            for bundle in it:
-                for entry, sl in zip(bundle.blocks, bundle.slices):
-                    lo, hi = (sl.start_offset, sl.end_offset) if sl is not None else (0, entry.metadata.num_rows)
-                    if hi > lo:
-                        pending.append([entry.ref, lo, hi])
-                        have += hi - lo
+            for ref, lo, hi in pieces_in:
+                if hi > lo:
+                    pending.append([ref, lo, hi])
+                    have += hi - lo
                 while have >= b:
-                    pieces, need = [], b
-                    while need:
-                        ref, lo, hi = pending[0]
-                        take = min(need, hi - lo)
-                        pieces.append((ref, lo, lo + take))
-                        need -= take
-                        if lo + take == hi:
-                            pending.popleft()
-                        else:
-                            pending[0][1] = lo + take
+                    pieces = take_rows(pending, b)
                     have -= b
-                    if step >= start and not self._put(generation, step, pieces):
+                    if step >= start and not self._put(generation, step, [tuple(p) for p in pieces]):
                         return
                     step += 1
                     if step >= self.max_steps:
                         return
-            assert step >= self.max_steps or layout.rows == 0, (step, self.max_steps)
         except BaseException as exc:  # surfaced to the controller by steps()
             with self._cv:
                 if generation == self._generation:
@@ -217,9 +241,60 @@ class Feeder:
                 if generation == self._generation:
                     self._done = True
                 self._cv.notify_all()
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
+            if pieces_in is not None:
+                pieces_in.close()  # shuts the Ray Data executor down
+
+    def _parquet_pieces(self, start: int):
+        """(block ref, lo, hi) of the windows from the one holding `start`, in order."""
+        it = self._pipeline(start).iter_internal_ref_bundles()
+        try:
+            for bundle in it:
+                for entry, sl in zip(bundle.blocks, bundle.slices):
+                    yield (entry.ref, *((sl.start_offset, sl.end_offset) if sl is not None
+                                        else (0, entry.metadata.num_rows)))
+        finally:
+            getattr(it, "close", lambda: None)()
+
+    def _dataset_pieces(self, start: int):
+        """The same for a user's ray.data.Dataset: read in order once per epoch (rows before
+        the start window are skipped unread), each window assembled by the assembler actor."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self._assembler is None:
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            self._assembler = ray.remote(WindowAssembler).options(num_cpus=0, scheduling_strategy=here).remote()
+        layout, b = self.stream.layout, self.stream.layout.global_batch_size
+        epoch, window = layout.window_of(start)
+        while layout.window_first_step(epoch, window) < self.max_steps:
+            ds = self.dataset
+            ds.context.execution_options.preserve_order = True
+            skip = window * layout.window_steps * b  # rows of this epoch before the first window
+            pending: deque[list] = deque()
+            have = pos = 0
+            it = ds.iter_internal_ref_bundles()
+            try:
+                for bundle in it:
+                    for entry, sl in zip(bundle.blocks, bundle.slices):
+                        lo, hi = (sl.start_offset, sl.end_offset) if sl is not None else (0, entry.metadata.num_rows)
+                        cut = min(hi - lo, max(0, skip - pos))
+                        pos += hi - lo
+                        if hi - lo > cut:
+                            pending.append([entry.ref, lo + cut, hi])
+                            have += hi - lo - cut
+                    while window < layout.windows_per_epoch and have >= layout.window_num_steps(window) * b:
+                        n = layout.window_num_steps(window) * b
+                        parts = take_rows(pending, n)
+                        have -= n
+                        ref = self._assembler.window.remote(self.stream, epoch, window, window * layout.window_steps * b,
+                                                            [(lo, hi) for _, lo, hi in parts], *[r for r, _, _ in parts])
+                        yield ref, 0, n
+                        window += 1
+                    if window == layout.windows_per_epoch:
+                        break
+            finally:
+                getattr(it, "close", lambda: None)()
+            epoch, window = epoch + 1, 0
 
     def _put(self, generation: int, step: int, pieces: list[Piece]) -> bool:
         with self._cv:
@@ -241,7 +316,6 @@ class Feeder:
 
         layout = self.stream.layout
         epoch, window = layout.window_of(start)
-        first = layout.window_first_step(epoch, window)
         items = []
         while layout.window_first_step(epoch, window) < self.max_steps:
             items.append({"epoch": epoch, "window": window})
@@ -267,7 +341,22 @@ class Feeder:
                                 batch_format="numpy", zero_copy_batch=True,
                                 compute=ray.data.ActorPoolStrategy(size=self.readers),
                                 num_cpus=0, scheduling_strategy=here, max_restarts=0)
-        return ds, first
+        return ds
+
+
+def take_rows(pending: deque, n: int) -> list[list]:
+    """Cut the first `n` rows off a queue of [ref, lo, hi] pieces; returns their pieces."""
+    out = []
+    while n:
+        ref, lo, hi = pending[0]
+        k = min(n, hi - lo)
+        out.append([ref, lo, lo + k])
+        n -= k
+        if lo + k == hi:
+            pending.popleft()
+        else:
+            pending[0][1] = lo + k
+    return out
 
 
 class DataLog:

@@ -19,22 +19,28 @@ from airay.sampling import EpochLayout
 class Stream:
     """Everything a map task needs to build any window (pickled into the tasks)."""
 
-    dataset: ParquetDataset
+    dataset: ParquetDataset | None  # None: a ray.data.Dataset the feeder iterates itself
     layout: EpochLayout
     preprocess: str | None
     preprocess_kwargs: dict[str, Any]
+    fingerprint: str
 
     def position(self, step: int) -> dict[str, Any]:
         epoch, in_epoch = self.layout.position(step)
         return {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "seed": self.layout.seed,
                 "rows": self.layout.rows, "global_batch_size": self.layout.global_batch_size,
-                "fingerprint": self.dataset.fingerprint}
+                "fingerprint": self.fingerprint}
 
 
 def make_batch(dataset: ParquetDataset, ids: np.ndarray, preprocess: str | None,
                preprocess_kwargs: dict[str, Any]) -> dict[str, np.ndarray]:
     """Rows `ids` as a preprocessed batch of numpy arrays, plus their `sample_id`s."""
-    batch = to_numpy(dataset.read_rows(ids))
+    return finish_batch(to_numpy(dataset.read_rows(ids)), ids, preprocess, preprocess_kwargs)
+
+
+def finish_batch(batch: dict[str, np.ndarray], ids: np.ndarray, preprocess: str | None,
+                 preprocess_kwargs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Preprocess the rows `ids` and check that what comes out can become tensors."""
     if preprocess is not None:
         batch = resolve_callable(preprocess)(batch, **preprocess_kwargs)
     if not isinstance(batch, dict):
@@ -77,3 +83,22 @@ def bytes_to_uint8(batch: dict[str, np.ndarray], columns: list[str]) -> dict[str
         out[name] = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), -1) if len(values) \
             else np.zeros((0, 0), np.uint8)
     return out
+
+
+class WindowAssembler:
+    """Ray actor body (num_cpus=0, on the driver's node) for a user's ray.data.Dataset: it has
+    no random access, so the feeder reads it in order and this assembles each window from the
+    block slices that hold its rows, shuffled and preprocessed like a parquet window."""
+
+    def window(self, stream: Stream, epoch: int, window: int, first_row: int, spans: list[tuple[int, int]],
+               *blocks) -> Any:
+        import pyarrow as pa
+        from ray.data.block import BlockAccessor
+
+        tables = [BlockAccessor.for_block(b).to_arrow().slice(lo, hi - lo) for b, (lo, hi) in zip(blocks, spans)]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        ids = stream.layout.window_rows(epoch, window)
+        table = table.take(pa.array(ids - first_row))
+        batch = BlockAccessor.for_block(table).to_batch_format("numpy")
+        out = finish_batch(batch, ids, stream.preprocess, stream.preprocess_kwargs)
+        return BlockAccessor.batch_to_block(out)

@@ -79,3 +79,25 @@ def test_text_job_trains_on_tokenized_stdlib_text(tmp_path, small_store_cluster)
     assert losses[-1] < losses[0] - 1.0  # bytes of Python source are far from uniform over 256
     assert all("data_wait_s" in m for m in read_jsonl(f"{result.run_dir}/metrics.jsonl"))
     assert_released()
+
+
+def test_a_ray_dataset_passed_to_fit_streams_each_row_once_per_epoch(tmp_path, small_store_cluster):
+    rows, gbs = 96, 8
+    tokens = (np.arange(rows)[:, None] * 3 + np.arange(33)[None, :]) % 256
+    ds = ray.data.from_items([{"tokens": tokens[i].astype(np.int64)} for i in range(rows)])
+    cfg = JobConfig.from_dict({
+        "name": "rayds", "run_dir": str(tmp_path / "run"),
+        "model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+        "data": {"epochs": 2, "seed": 5, "window_steps": 4, "record_sample_ids": True},
+        "global_batch_size": gbs, "micro_batch_size": 4, "steps_per_round": 5,
+        "scaling": {"min_workers": 2, "max_workers": 2}, "checkpoint": {"every_n_steps": 1000}})
+    result = fit(cfg, echo=False, dataset=ds)
+    assert result.status == "finished" and result.final_step == 2 * rows // gbs, result.error
+    samples = {s["step"]: s["sample_ids"] for s in read_jsonl(f"{result.run_dir}/samples.jsonl")}
+    from airay.sampling import EpochLayout
+
+    layout = EpochLayout(rows, gbs, seed=5, chunk_rows=rows, window_steps=4)
+    assert all(samples[s] == sorted(layout.step_rows(s).tolist()) for s in samples)
+    for epoch in (0, 1):
+        assert sorted(i for s in range(epoch * 12, epoch * 12 + 12) for i in samples[s]) == list(range(rows))
+    assert_released()

@@ -88,7 +88,7 @@ def test_a_ray_dataset_passed_to_fit_streams_each_row_once_per_epoch(tmp_path, s
     cfg = JobConfig.from_dict({
         "name": "rayds", "run_dir": str(tmp_path / "run"),
         "model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
-        "data": {"epochs": 2, "seed": 5, "window_steps": 4, "record_sample_ids": True},
+        "data": {"source": "dataset", "epochs": 2, "seed": 5, "window_steps": 4, "record_sample_ids": True},
         "global_batch_size": gbs, "micro_batch_size": 4, "steps_per_round": 5,
         "scaling": {"min_workers": 2, "max_workers": 2}, "checkpoint": {"every_n_steps": 1000}})
     result = fit(cfg, echo=False, dataset=ds)

@@ -27,13 +27,11 @@ FULL = {
     "recovery": ["--repeats", "3"],
     "overhead": ["--repeats", "5"],
     "decision": ["--workers", "4096", "--repeats", "21"],
-    "data": ["--repeats", "3"],
 }
 REDUCED = {
     "recovery": ["--repeats", "1"],
     "overhead": ["--repeats", "1", "--steps", "40", "--warmup", "20"],
     "decision": ["--workers", "256", "--repeats", "3"],
-    "data": ["--reduced"],
 }
 SIMULATE_FULL = ["--gpus", "1024,4096,16384", "--days", "14", "--repeats", "5"]
 SIMULATE_REDUCED = ["--gpus", "1024", "--days", "2", "--repeats", "1"]
@@ -102,19 +100,6 @@ def render(results: dict, sim_rows: list[dict], commands: dict[str, str], reduce
         lines.append(f"| {r['workers']} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} | < 100 ms |")
     lines += ["", f"`{commands['decision']}`", ""]
 
-    data = results["data"]
-    lines += ["## Data: airay's Ray Data path vs a plain torch DataLoader", "",
-              f"Samples/s delivered per worker ({data['workers']} workers, {data['rows']} rows of 129 int32 "
-              "tokens in 4 parquet files) through the feeder, reader actors and worker prefetch, against a "
-              "torch DataLoader (one loader process) over the same files; then the share of step time the "
-              "demo model waited for data in a fit on the same files.", "",
-              "| | samples/s (median) | spread | ratio / target |", "| --- | --- | --- | --- |",
-              f"| plain DataLoader (baseline) | {data['plain_median']:.0f} | {_spread(data['plain'], 0)} | 1 |",
-              f"| airay, per worker | {data['airay_median']:.0f} | {_spread(data['airay'], 0)} | "
-              f"**{data['ratio']:.2f}** (target ≥ 0.8) |",
-              f"| data wait / step time, demo model | {data['data_wait_share']:.2%} | | target < 5% |",
-              "", f"`{commands['data']}`", ""]
-
     lines += ["## Simulated goodput on large fleets (`airay simulate`)", "",
               "Per-GPU MTBF 50,000 h, 8 GPUs per node, a failed node back after 30 min, 30 s blocked per "
               "checkpoint at Daly's optimum interval; warm recovery and cold restart are the measured "
@@ -127,7 +112,7 @@ def render(results: dict, sim_rows: list[dict], commands: dict[str, str], reduce
                      f"{r['goodput_min']:.3f}-{r['goodput_max']:.3f} | {r['goodput'] / base[r['gpus']]:.3f}x |")
     lines += ["", f"`{commands['simulate']}`", "",
               "Not yet measured here: recovery and goodput against Ray Train's elastic TorchTrainer, "
-              "and checkpoint stall (their issues are open).", ""]
+              "checkpoint stall and data wait (their issues are open).", ""]
     return "\n".join(lines)
 
 

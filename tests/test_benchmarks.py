@@ -23,25 +23,14 @@ def test_recovery_benchmark_reduced(tmp_path):
     assert med["reform_s"] > 0 and med["reload_s"] > 0
 
 
-def test_data_benchmark_reduced(tmp_path):
-    out = tmp_path / "data.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data.py"), "--reduced", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "airay / plain" in proc.stdout and "data wait share" in proc.stdout
-    numbers = json.loads(out.read_text())
-    assert numbers["plain_median"] > 0 and numbers["airay_median"] > 0
-    assert 0 <= numbers["data_wait_share"] < 1
-
-
 def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     out = tmp_path / "BENCHMARKS.md"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--reduced", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
-    for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Data", "## Simulated goodput"):
+    for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput"):
         assert heading in text
     # Every table row carries a number, and each section names the command that produced it.
-    assert text.count("`python benchmarks/") == 4 and "`airay simulate --gpus 1024" in text
+    assert text.count("`python benchmarks/") == 3 and "`airay simulate --gpus 1024" in text
     assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text

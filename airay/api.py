@@ -9,6 +9,7 @@ from pathlib import Path
 from airay.config import ConfigError, JobConfig
 from airay.controller import Controller, Result
 from airay.events import RunRecorder
+from airay.feeder import prepare, prepare_dataset
 from airay.local_cluster import LocalCluster
 
 
@@ -18,13 +19,16 @@ def resolve_run_dir(config: JobConfig) -> Path:
     return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None) -> Result:
+def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None, dataset=None) -> Result:
     """Train `config` to max_steps, recovering from lost workers and nodes on the way.
 
     Connects to the Ray already initialised in this process, else `config.ray_address`, else
     RAY_ADDRESS, else starts one (or the local multi-node cluster of `config.cluster`).
     `local_cluster`: a LocalCluster the caller started (and will shut down), for chaos that
-    removes and adds nodes. Everything fit starts (actors, placement groups, Ray, a local
+    removes and adds nodes. `dataset`: a ray.data.Dataset to train on (data.source becomes
+    "dataset"): its row order must be deterministic, and its operators must run with the CPUs
+    the training bundles leave (none on a cluster they fill: give its tasks num_cpus=0).
+    Everything fit starts (actors, placement groups, Ray, a local
     cluster) is released on return, also when the run fails.
     """
     import ray
@@ -32,6 +36,11 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
     if config.needs_local_cluster and config.cluster is None and local_cluster is None:
         raise ConfigError("chaos remove_node/add_node act on a local cluster: set cluster.local_nodes "
                           "(or pass local_cluster= to airay.fit)")
+    if dataset is not None:
+        config = JobConfig.from_dict({**config.model_dump(mode="json"), "data": {
+            **config.data.model_dump(mode="json"), "source": "dataset"}})
+    else:
+        config, stream = prepare(config)  # the dataset is checked (and max_steps resolved) before Ray starts
     run_dir = resolve_run_dir(config)
     recorder = RunRecorder(run_dir, echo=echo)
     config = config.model_copy(update={"run_dir": str(run_dir)})
@@ -54,7 +63,9 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
             ray.init(address=config.ray_address or os.environ.get("RAY_ADDRESS") or None,
                      logging_level="WARNING", log_to_driver=echo)
             started_ray = True
-        return Controller(config, recorder, local or local_cluster).run()
+        if dataset is not None:  # a Ray dataset is checked once Ray is up, before any actor starts
+            config, stream = prepare_dataset(config, dataset)
+        return Controller(config, recorder, local or local_cluster, stream, dataset).run()
     finally:
         recorder.close()
         if started_ray:

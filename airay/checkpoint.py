@@ -183,13 +183,14 @@ class Checkpointer:
         self._inflight = None  # (ref, step, path, unix start time, blocking_s)
         self.last_saved_step: int | None = None
 
-    def save(self, group, step: int):
-        """Collective save of `step`; returns the ranks' outcomes (all ok, or a loss to handle)."""
+    def save(self, group, step: int, data_position: dict | None = None):
+        """Collective save of `step` (with the data position at it, when data is streamed);
+        returns the ranks' outcomes (all ok, or a loss to handle)."""
         self.wait()
         path = step_dir(self.root, step)
         shutil.rmtree(path, ignore_errors=True)  # a partial save from before a failure
         t0 = time.time()
-        outcomes, _ = group.save(str(path), step)
+        outcomes, _ = group.save(str(path), step, data_position)
         if any(o.kind != "ok" for o in outcomes):
             return outcomes
         blocking = time.time() - t0

@@ -64,15 +64,45 @@ class CallableSpec(_Spec):
 
 
 class DataSpec(_Spec):
-    """Synthetic, deterministic per-sample data: sample `i` is `sample_fn(i, seed, **kwargs)`.
+    """Where each step's samples come from.
 
-    The sample set of global step N is ids [N*B, (N+1)*B) for global batch B, whatever the
-    world size, so a replayed step sees exactly the samples it saw the first time.
+    source: synthetic (default) -- sample `i` is `sample_fn(i, seed, **kwargs)`, built on the
+    worker; the sample set of global step N is ids [N*B, (N+1)*B) for global batch B.
+    source: parquet -- rows of the parquet files under `paths`, streamed to the workers through
+    Ray Data; sample ids are global row numbers in sorted file order, shuffled per epoch from
+    `seed` (see airay.data.EpochLayout). Either way the samples of step N do not depend on the
+    world size or on what happened before step N, so a replayed step sees exactly what it saw
+    the first time. (A `ray.data.Dataset` passed to `airay.fit(config, dataset=ds)` is
+    source: dataset.)
     """
 
+    source: Literal["synthetic", "parquet", "dataset"] = "synthetic"
     sample_fn: DottedCallable = "airay.models.tiny_gpt:synthetic_sample"
     kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
+    paths: list[str] = Field(default_factory=list, description="parquet files or directories, local or URIs")
+    columns: list[str] | None = Field(None, description="columns to read; default all")
+    preprocess: DottedCallable | None = Field(
+        None, description="'module:function' (batch: dict[str, np.ndarray], **preprocess_kwargs) -> dict of "
+        "arrays with the same number of rows; default: the columns as they are")
+    preprocess_kwargs: dict[str, Any] = Field(default_factory=dict)
+    epochs: int | None = Field(None, ge=1, description="train this many epochs; sets max_steps when it is unset")
+    shuffle: bool = True
+    chunk_rows: int = Field(1024, ge=1, description="rows read together; chunk order is shuffled per epoch")
+    window_steps: int = Field(8, ge=1, description="rows are shuffled within windows of this many steps")
+    readers: int = Field(2, ge=1, description="reader actors of the Ray Data pipeline (num_cpus=0 each)")
+    prefetch_steps: int = Field(2, ge=0, description="steps each worker fetches ahead of the one it trains")
+    record_sample_ids: bool = Field(False, description="write samples.jsonl: each committed step's sample ids")
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "DataSpec":
+        if self.source == "parquet" and not self.paths:
+            raise ValueError("data.source is parquet but data.paths is empty; list parquet files or directories")
+        if self.source != "parquet" and self.paths:
+            raise ValueError(f"data.paths is set but data.source is {self.source}; set data.source: parquet")
+        if self.source == "synthetic" and self.epochs is not None:
+            raise ValueError("data.epochs needs a finite dataset; synthetic data has none, set max_steps instead")
+        return self
 
 
 class ScalingSpec(_Spec):
@@ -194,7 +224,8 @@ class JobConfig(_Spec):
         description="DeepSpeed config, inline or a JSON file path; airay sets the batch fields")
     global_batch_size: int = Field(ge=1)
     micro_batch_size: int = Field(ge=1, description="largest micro-batch one worker may take")
-    max_steps: int = Field(ge=1)
+    max_steps: int | None = Field(None, ge=1, description="steps to train; with a dataset, default "
+                                  "data.epochs x steps per epoch")
     seed: int = 0
     max_failures: int = Field(20, ge=0, description="failures tolerated within health.failure_window_s")
     steps_per_round: int = Field(5, ge=1, description="steps a worker runs per driver call")
@@ -235,8 +266,10 @@ class JobConfig(_Spec):
                                self.scaling.min_workers, self.scaling.max_workers)
         except policy.PolicyError as exc:
             raise ValueError(str(exc)) from exc
+        if self.max_steps is None and self.data.epochs is None:
+            raise ValueError("set max_steps (or data.epochs for a parquet or Ray dataset)")
         for i, fault in enumerate(self.chaos):
-            if fault.at_step >= self.max_steps:
+            if self.max_steps is not None and fault.at_step >= self.max_steps:
                 raise ValueError(f"chaos[{i}].at_step ({fault.at_step}) must be < max_steps ({self.max_steps})")
             if fault.rank >= self.scaling.max_workers:
                 raise ValueError(f"chaos[{i}].rank ({fault.rank}) must be < scaling.max_workers")

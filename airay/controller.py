@@ -18,6 +18,7 @@ from airay import chaos, goodput, policy
 from airay.checkpoint import CheckpointInfo, Checkpointer
 from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
+from airay.feeder import DataLog, Feeder, Stream
 from airay.health import Failure, RoundVerdict, classify_round, find_stragglers, summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
@@ -73,7 +74,8 @@ class _PendingResize:
 
 
 class Controller:
-    def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None):
+    def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None,
+                 stream: Stream | None = None, dataset=None):
         self.cfg = config
         self.rec = recorder
         self.local = local
@@ -82,6 +84,10 @@ class Controller:
         root = config.checkpoint.path or str(recorder.run_dir / "checkpoints")
         self.ckpt = Checkpointer(root, config.zero_stage, config.checkpoint.keep_last, recorder)
         self.group: WorkerGroup | None = None
+        # A streamed dataset's feeder buffers a round plus what workers prefetch beyond it.
+        self.feeder = Feeder(stream, config.max_steps, config.steps_per_round + config.data.prefetch_steps + 1,
+                             config.data.readers, dataset) if stream is not None else None
+        self.data_log = DataLog(recorder, config.data.record_sample_ids)
         self.state = State.STARTING
         self.step = 0
         self.restarts = 0
@@ -118,6 +124,9 @@ class Controller:
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RunFailed) else str(exc)
             self.state = State.FAILED
         finally:
+            self.data_log.close()
+            if self.feeder is not None:
+                self.feeder.close()
             if self.group is not None:
                 self.group.shutdown()
             self.telemetry.close()
@@ -127,6 +136,9 @@ class Controller:
 
     def _starting(self) -> State:
         sc = self.cfg.scaling
+        if self.feeder is not None:  # the data pipeline starts up while workers do
+            latest = self.ckpt.latest()
+            self.feeder.seek(latest.step if latest else 0)
         per_worker = sc.resources_per_worker or default_worker_resources(ray.cluster_resources())
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                  self.cfg.timeouts.survivor_drain_s)
@@ -169,9 +181,10 @@ class Controller:
         if self.pending_resize is not None:
             end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
         faults, after_launch, struck = self._inject(self.step, end)
+        feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps) if self.feeder else None
         t_launch = time.time()
         outcomes, values = self.group.train(self.step, end, faults, after_launch,
-                                            hang_timeout_s=self.cfg.timeouts.hang_timeout_s)
+                                            hang_timeout_s=self.cfg.timeouts.hang_timeout_s, feed=feed)
         if not self._ok(outcomes, fault_ts=t_launch if struck else None):
             return State.RECOVERING
         self._check_stragglers(self.step, values)
@@ -273,6 +286,8 @@ class Controller:
               reason: str = "start", parts: dict[str, float] | None = None) -> bool:
         """Form a world of `size`, load `ckpt` (or start at step 0). False: a rank was lost meanwhile."""
         t_form = time.time()
+        if self.feeder is not None:
+            self.feeder.seek(ckpt.step if ckpt else 0)
         outcomes, timings = self.group.form(size, self.plans[size], load_universal=bool(ckpt and ckpt.load_tag == "universal"))
         if not self._ok(outcomes):
             return False
@@ -282,6 +297,8 @@ class Controller:
             if not self._ok(outcomes):
                 return False
             self.step = values[0]["step"]
+            if self.feeder is not None:
+                self.feeder.check_position(values[0].get("data_position"), self.step)
             self.rec.event("checkpoint_loaded", step=self.step, path=str(ckpt.path), world_size=size,
                            saved_world_size=ckpt.world_size, load_s=time.time() - t_load)
         else:
@@ -341,7 +358,8 @@ class Controller:
                            local_s=sorted(local[rank])[len(local[rank]) // 2], median_local_s=medians[len(medians) // 2])
 
     def _checkpoint(self) -> bool:
-        outcomes = self.ckpt.save(self.group, self.step)
+        outcomes = self.ckpt.save(self.group, self.step,
+                                  self.feeder.position(self.step) if self.feeder is not None else None)
         return self._ok(outcomes)
 
     def _can_grow(self) -> bool:
@@ -418,6 +436,7 @@ class Controller:
                           tokens_per_s=tokens / step_time if tokens and step_time > 0 else None, ts=now)
             self.rec.metric(**metric)
             self.telemetry.step(metric, self.restarts, sum(self.step_times.values()) / max(1e-9, now - self.t_start))
+        self.data_log.record(start, values)
         if self.pending_resize is not None:
             p = self.pending_resize
             self.pending_resize = None

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from airay.policy import BatchPlan
+from airay.sampling import rank_rows
 
 
 def step_sample_ids(step: int, global_batch_size: int) -> range:
@@ -38,3 +40,60 @@ class SyntheticSource:
     def micro_batches(self, step: int, rank: int, plan: BatchPlan) -> list[dict[str, torch.Tensor]]:
         return [collate([self.fn(i, self.seed, **self.kwargs) for i in ids])
                 for ids in rank_micro_batch_ids(step, rank, plan)]
+
+
+class StreamedSource:
+    """A worker's side of a streamed dataset: fetch its rank's rows of each step it is given,
+    in a background thread, while the step before trains.
+
+    The driver hands each round the pieces (block ref, first row, end row) of the round's steps
+    and of a few steps after it; fetching those early keeps the first step of the next round
+    from waiting too. `micro_batches` blocks only when the fetch is not done yet: that wait is
+    the step's data_wait_s.
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import ray.data.block  # noqa: F401  (seconds of imports: paid while standing by, not in step 0)
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="airay-prefetch")
+        self._futures: dict[int, Any] = {}
+        self._key: tuple | None = None
+
+    def feed(self, steps: dict[int, list], rank: int, plan: BatchPlan) -> None:
+        if self._key != (rank, plan):  # another world: the rank's rows of a step differ
+            self._futures.clear()
+            self._key = (rank, plan)
+        for step in sorted(steps):
+            if step not in self._futures:
+                self._futures[step] = self._pool.submit(fetch_rank_batches, steps[step], rank, plan)
+
+    def micro_batches(self, step: int, rank: int, plan: BatchPlan) -> list[dict[str, torch.Tensor]]:
+        for s in [s for s in self._futures if s < step]:
+            del self._futures[s]
+        if self._key != (rank, plan) or step not in self._futures:
+            raise RuntimeError(f"no data was fed for step {step} (rank {rank})")
+        return self._futures.pop(step).result()
+
+
+def fetch_rank_batches(pieces: list, rank: int, plan: BatchPlan) -> list[dict[str, torch.Tensor]]:
+    """`rank`'s micro-batches of a step whose rows are `pieces` [(block ref, lo, hi), ...]."""
+    import pyarrow as pa
+    import ray
+    from ray.data.block import BlockAccessor
+
+    want_lo, want_hi = rank_rows(plan, rank)
+    parts, pos = [], 0
+    for ref, lo, hi in pieces:
+        a, b = max(want_lo, pos), min(want_hi, pos + hi - lo)
+        if a < b:
+            table = BlockAccessor.for_block(ray.get(ref)).to_arrow()  # Ray Data blocks may be pandas too
+            parts.append(table.slice(lo + a - pos, b - a))
+        pos += hi - lo
+    table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    columns = BlockAccessor.for_block(table).to_batch_format("numpy")
+    # Copy: arrays read from the object store are read-only, and the step may run in-place ops.
+    full = {k: torch.from_numpy(np.array(v)) for k, v in columns.items()}
+    m = plan.micro_batch_size
+    return [{k: v[i * m:(i + 1) * m] for k, v in full.items()} for i in range(plan.grad_accum_steps)]

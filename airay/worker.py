@@ -21,7 +21,7 @@ import ray
 
 from airay import chaos, commtime
 from airay.config import JobConfig, resolve_callable
-from airay.data import SyntheticSource
+from airay.data import StreamedSource, SyntheticSource
 from airay.policy import BatchPlan
 
 
@@ -125,7 +125,8 @@ class TrainWorker:
         self.model_factory = resolve_callable(self.config.model.factory)
         self.loss_fn = resolve_callable(self.config.loss_fn)
         data = self.config.data
-        self.data = SyntheticSource(resolve_callable(data.sample_fn), data.seed, data.kwargs)
+        self.data = SyntheticSource(resolve_callable(data.sample_fn), data.seed, data.kwargs) \
+            if data.source == "synthetic" else StreamedSource()
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self.device, self.backend = device_for(self.gpu_ids, torch.cuda.is_available())
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -241,11 +242,12 @@ class TrainWorker:
 
     # ---- checkpoints -----------------------------------------------------------------------
 
-    def save(self, path: str, step: int) -> dict[str, float]:
+    def save(self, path: str, step: int, data_position: dict[str, Any] | None = None) -> dict[str, float]:
         from airay.checkpoint import NATIVE_TAG
 
         t0 = time.perf_counter()
-        self.engine.save_checkpoint(save_dir=path, tag=NATIVE_TAG, client_state={"airay_step": step},
+        self.engine.save_checkpoint(save_dir=path, tag=NATIVE_TAG,
+                                    client_state={"airay_step": step, "airay_data": data_position},
                                     save_latest=False)
         return {"save_s": time.perf_counter() - t0}
 
@@ -255,16 +257,21 @@ class TrainWorker:
                                                         load_lr_scheduler_states=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint at {path}/{tag}")
-        return {"step": int(client["airay_step"]), "load_s": time.perf_counter() - t0}
+        return {"step": int(client["airay_step"]), "data_position": client.get("airay_data"),
+                "load_s": time.perf_counter() - t0}
 
     # ---- training ------------------------------------------------------------------------------
 
-    def train(self, start: int, end: int, faults: dict[int, dict] | None = None) -> list[dict[str, float]]:
+    def train(self, start: int, end: int, faults: dict[int, dict] | None = None,
+              feed: dict[int, list] | None = None) -> list[dict[str, float]]:
         """Run global steps [start, end). Each result: loss_sum over this rank's samples, timings.
 
         `faults`: chaos, {step: fault} struck inside that step (airay.chaos).
+        `feed`: a streamed dataset's pieces of these steps (and of a few after them, to prefetch).
         """
         out = []
+        if feed:
+            self.data.feed(feed, self.rank, self.plan)
         try:
             for step in range(start, end):
                 out.append(self._step(step, (faults or {}).get(step)))
@@ -306,9 +313,12 @@ class TrainWorker:
         self._at(step, len(batches), "done")
         step_time = time.perf_counter() - t0
         comm = commtime.seconds() - comm0
-        return {"step": step, "loss_sum": loss_sum, "step_time_s": step_time, "data_wait_s": data_wait,
-                "local_s": data_wait + local_s, "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
-                "tokens": sum(token_count(b) for b in batches)}
+        out = {"step": step, "loss_sum": loss_sum, "step_time_s": step_time, "data_wait_s": data_wait,
+               "local_s": data_wait + local_s, "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
+               "tokens": sum(token_count(b) for b in batches)}
+        if self.config.data.record_sample_ids:
+            out["sample_ids"] = [i for b in batches for i in b["sample_id"].tolist()]
+        return out
 
     def _user(self, fn, *args, **kwargs):
         """Call user code; its exceptions become UserCodeError carrying the original traceback."""

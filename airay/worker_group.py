@@ -147,14 +147,15 @@ class WorkerGroup:
 
     def train(self, start: int, end: int, faults: dict[int, dict[int, dict]],
               after_launch: Callable[[], None] | None = None,
-              hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
-        refs = [m.actor.train.remote(start, end, faults.get(rank)) for rank, m in enumerate(self.active)]
+              hang_timeout_s: float | None = None,
+              feed: dict[int, list] | None = None) -> tuple[list[RankOutcome], list]:
+        refs = [m.actor.train.remote(start, end, faults.get(rank), feed) for rank, m in enumerate(self.active)]
         if after_launch is not None:
             after_launch()
         return self._gather(refs, hang_timeout_s)
 
-    def save(self, path: str, step: int) -> tuple[list[RankOutcome], list]:
-        return self._gather([m.actor.save.remote(path, step) for m in self.active])
+    def save(self, path: str, step: int, data_position: dict | None = None) -> tuple[list[RankOutcome], list]:
+        return self._gather([m.actor.save.remote(path, step, data_position) for m in self.active])
 
     def load(self, path: str, tag: str) -> tuple[list[RankOutcome], list]:
         return self._gather([m.actor.load.remote(path, tag) for m in self.active])

@@ -22,3 +22,152 @@ def test_synthetic_samples_are_deterministic_and_distinct():
     src = data.SyntheticSource(tiny_gpt.synthetic_sample, 0, {})
     batches = src.micro_batches(2, 1, policy.plan_batch(24, 4, 3))
     assert [b["sample_id"].tolist() for b in batches] == [[56, 57, 58, 59], [60, 61, 62, 63]]
+
+
+# ---- streamed datasets: the epoch layout and the checks before a run ------------------------
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from airay import JobConfig
+from airay.config import ConfigError
+from airay.feeder import prepare
+from airay.parquet import DataError, scan
+from airay.sampling import EpochLayout, check_batch_schema, data_stalled
+
+
+def layout(**kw):
+    args = {"rows": 1000, "global_batch_size": 24, "seed": 3, "chunk_rows": 37, "window_steps": 5}
+    return EpochLayout(**{**args, **kw})
+
+
+def test_each_epoch_covers_rows_once_in_an_order_fixed_by_seed_and_epoch():
+    lay = layout()
+    assert lay.steps_per_epoch == 41 and lay.windows_per_epoch == 9  # 1000 // 24; 16 rows dropped per epoch
+    epochs = [np.concatenate([lay.step_rows(e * 41 + s) for s in range(41)]) for e in range(3)]
+    for ids in epochs:
+        assert len(ids) == len(set(ids.tolist())) == 41 * 24 and ids.min() >= 0 and ids.max() < 1000
+    assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
+    assert np.array_equal(epochs[1], np.concatenate([layout().step_rows(41 + s) for s in range(41)]))
+    assert not np.array_equal(epochs[0], np.concatenate([layout(seed=4).step_rows(s) for s in range(41)]))
+    # Divisible rows: every row exactly once per epoch.
+    even = layout(rows=24 * 10)
+    assert sorted(np.concatenate([even.step_rows(10 + s) for s in range(10)]).tolist()) == list(range(240))
+
+
+def test_step_rows_split_the_same_way_at_every_world_size():
+    lay = layout()
+    for step in (0, 7, 44):
+        rows = lay.step_rows(step)
+        for w in (2, 3, 4):
+            plan = policy.plan_batch(24, 4, w)
+            parts = [rows[slice(*data.rank_rows(plan, r))] for r in range(w)]
+            assert np.array_equal(np.concatenate(parts), rows)
+
+
+def test_unshuffled_layout_is_file_order():
+    lay = layout(shuffle=False)
+    assert np.array_equal(np.concatenate([lay.step_rows(s) for s in range(41)]), np.arange(41 * 24))
+
+
+def test_data_stall_and_schema_checks():
+    assert data_stalled(0.2, 1.0) and not data_stalled(0.05, 1.0) and not data_stalled(0.0, 0.0)
+    good = {"tokens": np.zeros((4, 33), np.int32)}
+    assert check_batch_schema(good, {"tokens": ("int", (33,))}) == []
+    assert check_batch_schema(good, {"tokens": ("int", (None,))}) == []
+    bad = check_batch_schema({"tokens": np.zeros((4, 20), np.float32)}, {"tokens": ("int", (33,))})
+    assert any("dtype float32" in p for p in bad) and any("(20,)" in p and "(33,)" in p for p in bad)
+    assert "needs 'tokens'" in check_batch_schema({"x": np.zeros((4, 3))}, {"tokens": ("int", (33,))})[0]
+
+
+def write(path, table, **kw):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, **kw)
+    return path
+
+
+def tokens_table(rows, width=33, start=0):
+    ids = np.arange(start, start + rows)
+    flat = pa.array(((ids[:, None] + np.arange(width)) % 256).ravel().astype(np.int32))
+    return pa.table({"row": ids, "tokens": pa.FixedSizeListArray.from_arrays(flat, width)})
+
+
+def parquet_job(paths, max_steps=None, **data):
+    return JobConfig.from_dict({
+        "model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+        "global_batch_size": 8, "micro_batch_size": 4, "max_steps": max_steps,
+        "data": {"source": "parquet", "paths": [str(p) for p in paths], "columns": ["tokens"], **data}})
+
+
+def test_scan_reads_rows_in_any_order_across_files_and_row_groups(tmp_path):
+    write(tmp_path / "b.parquet", tokens_table(50, start=70), row_group_size=16)
+    write(tmp_path / "a.parquet", tokens_table(70), row_group_size=16)
+    ds = scan([str(tmp_path)], ["row", "tokens"])
+    assert ds.rows == 120 and [f.path.rsplit("/", 1)[1] for f in ds.files] == ["a.parquet", "b.parquet"]
+    ids = np.random.default_rng(0).permutation(120)[:50]
+    assert ds.read_rows(ids).column("row").to_numpy().tolist() == ids.tolist()
+
+
+def test_epochs_set_max_steps_and_the_batch_is_checked_against_the_model(tmp_path):
+    write(tmp_path / "d" / "x.parquet", tokens_table(100))
+    cfg, stream = prepare(parquet_job([tmp_path / "d"], epochs=2))
+    assert cfg.max_steps == 2 * 12 and stream.layout.steps_per_epoch == 12
+    with pytest.raises(DataError, match="max_steps 30 exceeds data.epochs 2 x 12"):
+        prepare(parquet_job([tmp_path / "d"], max_steps=30, epochs=2))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"),
+    ("not_parquet", "is not a readable parquet file"),
+    ("missing_column", "data.columns: \\['tokenz'\\] not in"),
+    ("empty", "hold no rows"),
+    ("wrong_shape", "rows have shape \\(20,\\), the model needs \\(33,\\)"),
+    ("mixed_schema", "all files must share one schema"),
+    ("bad_preprocess", "data.preprocess 'tests.test_data:broken_preprocess' failed"),
+])
+def test_clear_errors_name_the_file_or_field(tmp_path, case, message):
+    d = tmp_path / "d"
+    columns = ["tokens"]
+    data = {}
+    if case == "missing":
+        d = tmp_path / "nope"
+    elif case == "not_parquet":
+        d.mkdir()
+        (d / "x.parquet").write_text("not parquet")
+    elif case == "missing_column":
+        write(d / "x.parquet", tokens_table(10))
+        columns = ["tokenz"]
+    elif case == "empty":
+        write(d / "x.parquet", tokens_table(0))
+    elif case == "wrong_shape":
+        write(d / "x.parquet", tokens_table(10, width=20))
+    elif case == "mixed_schema":
+        write(d / "a.parquet", tokens_table(10))
+        write(d / "b.parquet", pa.table({"tokens": pa.array([[1, 2]] * 10, pa.list_(pa.int64()))}))
+    elif case == "bad_preprocess":
+        write(d / "x.parquet", tokens_table(10))
+        data["preprocess"] = "tests.test_data:broken_preprocess"
+    cfg = parquet_job([d], max_steps=1, **{"columns": columns, **data})
+    with pytest.raises(DataError, match=message):
+        prepare(cfg)
+
+
+def broken_preprocess(batch):
+    raise KeyError("text")
+
+
+def test_spec_errors_for_data_fields():
+    with pytest.raises(ConfigError, match="data.source is parquet but data.paths is empty"):
+        JobConfig.from_dict({"model": {"factory": "airay.models.tiny_gpt:build"},
+                             "loss_fn": "airay.models.tiny_gpt:loss", "global_batch_size": 8,
+                             "micro_batch_size": 4, "max_steps": 2, "data": {"source": "parquet"}})
+    with pytest.raises(ConfigError, match="set data.source: parquet"):
+        JobConfig.from_dict({"model": {"factory": "airay.models.tiny_gpt:build"},
+                             "loss_fn": "airay.models.tiny_gpt:loss", "global_batch_size": 8,
+                             "micro_batch_size": 4, "max_steps": 2, "data": {"paths": ["x"]}})
+    with pytest.raises(ConfigError, match="set max_steps"):
+        JobConfig.from_dict({"model": {"factory": "airay.models.tiny_gpt:build"},
+                             "loss_fn": "airay.models.tiny_gpt:loss", "global_batch_size": 8,
+                             "micro_batch_size": 4})

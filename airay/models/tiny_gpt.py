@@ -61,9 +61,14 @@ def build(seed: int = 0, **kwargs) -> TinyGPT:
 
 def loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Next-token cross entropy, mean over the micro-batch."""
-    tokens = batch["tokens"]
+    tokens = batch["tokens"].long()  # parquet token columns are often int32
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def input_schema(seq_len: int = 32, **_) -> dict[str, tuple[str, tuple]]:
+    """What `loss` consumes: airay checks a dataset's preprocessed rows against it before a run."""
+    return {"tokens": ("int", (seq_len + 1,))}
 
 
 def synthetic_sample(sample_id: int, seed: int, vocab_size: int = 256, seq_len: int = 32) -> dict[str, torch.Tensor]:

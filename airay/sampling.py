@@ -1,0 +1,119 @@
+"""Which rows of a streamed dataset each global step trains on, and checks on what it yields.
+
+Pure (numpy only, no torch): the data pipeline's reader tasks import it, and every import there
+costs start-up time of the pipeline.
+
+Sample ids of a streamed dataset are global row indices in a fixed file order. Each epoch is
+a pure function (seed, epoch) -> order of rows, built in two levels so it can be read in
+large sequential pieces: the rows are cut into chunks of `chunk_rows` consecutive rows whose
+order is permuted, and then rows are shuffled inside windows of `window_steps` consecutive
+steps. Step N of the run is step N % steps_per_epoch of epoch N // steps_per_epoch, so the
+rows of a step depend on nothing but N: not the world size, not what happened before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from airay.policy import BatchPlan
+
+
+@dataclass(frozen=True)
+class EpochLayout:
+    rows: int               # rows in the dataset
+    global_batch_size: int
+    seed: int
+    chunk_rows: int = 1024
+    window_steps: int = 8
+    shuffle: bool = True
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full global batches per epoch; the last rows % global_batch_size rows of each epoch's
+        order are dropped (which ones differs per epoch when shuffling)."""
+        return self.rows // self.global_batch_size
+
+    @property
+    def windows_per_epoch(self) -> int:
+        return -(-self.steps_per_epoch // self.window_steps)
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of global step `step`."""
+        return divmod(step, self.steps_per_epoch)
+
+    def window_of(self, step: int) -> tuple[int, int]:
+        """(epoch, window) holding global step `step`."""
+        epoch, s = self.position(step)
+        return epoch, s // self.window_steps
+
+    def window_first_step(self, epoch: int, window: int) -> int:
+        return epoch * self.steps_per_epoch + window * self.window_steps
+
+    def window_num_steps(self, window: int) -> int:
+        return min(self.window_steps, self.steps_per_epoch - window * self.window_steps)
+
+    def window_rows(self, epoch: int, window: int) -> np.ndarray:
+        """Row ids of the window's steps, in training order (step after step)."""
+        b, c = self.global_batch_size, self.chunk_rows
+        n_chunks = -(-self.rows // c)
+        order = np.random.default_rng([self.seed, epoch]).permutation(n_chunks) if self.shuffle \
+            else np.arange(n_chunks)
+        starts = order * c
+        lens = np.minimum(c, self.rows - starts)
+        ends = np.cumsum(lens)  # position (in this epoch's order) where each chunk ends
+        pos0 = window * self.window_steps * b
+        pos1 = pos0 + self.window_num_steps(window) * b
+        first = int(np.searchsorted(ends, pos0, side="right"))
+        pieces = []
+        for k in range(first, n_chunks):
+            begin = ends[k] - lens[k]
+            if begin >= pos1:
+                break
+            lo, hi = max(pos0, begin), min(pos1, ends[k])
+            pieces.append(np.arange(starts[k] + lo - begin, starts[k] + hi - begin, dtype=np.int64))
+        ids = np.concatenate(pieces)
+        if self.shuffle:
+            ids = ids[np.random.default_rng([self.seed, epoch, window]).permutation(len(ids))]
+        return ids
+
+    def step_rows(self, step: int) -> np.ndarray:
+        epoch, s = self.position(step)
+        w = s // self.window_steps
+        k = s - w * self.window_steps
+        b = self.global_batch_size
+        return self.window_rows(epoch, w)[k * b:(k + 1) * b]
+
+
+def rank_rows(plan: BatchPlan, rank: int) -> tuple[int, int]:
+    """[start, stop) of `rank`'s rows within a global step: the same contiguous split as the
+    synthetic source's, micro-batches following each other inside it."""
+    return rank * plan.per_worker, (rank + 1) * plan.per_worker
+
+
+def data_stalled(data_wait_s: float, step_time_s: float, share: float = 0.10) -> bool:
+    """A step waited for data longer than `share` of its time: the input pipeline is too slow."""
+    return step_time_s > 0 and data_wait_s > share * step_time_s
+
+
+def check_batch_schema(batch: dict[str, np.ndarray], expected: dict[str, tuple[str, tuple]],
+                       ) -> list[str]:
+    """What is wrong with a preprocessed batch for a model declaring `expected`:
+    {key: (dtype kind 'int' | 'float' | 'uint8' ..., per-row shape with None for any size)}.
+    Returns one message per problem; empty when it fits."""
+    problems = []
+    for key, (kind, shape) in expected.items():
+        if key not in batch:
+            problems.append(f"the model needs '{key}' but the preprocessed batch has only {sorted(batch)}")
+            continue
+        arr = np.asarray(batch[key])
+        ok_kind = {"int": np.issubdtype(arr.dtype, np.integer),
+                   "float": np.issubdtype(arr.dtype, np.floating)}.get(kind, arr.dtype == np.dtype(kind))
+        if not ok_kind:
+            problems.append(f"'{key}' has dtype {arr.dtype}, the model needs {kind}")
+        row_shape = arr.shape[1:]
+        if len(row_shape) != len(shape) or any(s is not None and s != r for s, r in zip(shape, row_shape)):
+            want = tuple("any" if s is None else s for s in shape)
+            problems.append(f"'{key}' rows have shape {row_shape}, the model needs {want}")
+    return problems

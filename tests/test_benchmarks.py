@@ -29,8 +29,13 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
-    for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput"):
+    for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput",
+                    "## Recovery and goodput: airay vs Ray Train"):
         assert heading in text
     # Every table row carries a number, and each section names the command that produced it.
-    assert text.count("`python benchmarks/") == 3 and "`airay simulate --gpus 1024" in text
+    assert text.count("`python benchmarks/") == 4 and "`airay simulate --gpus 1024" in text
     assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text
+    # Both sides of the Ray Train comparison trained the same samples to the same loss.
+    row = {line.split(" | ")[1]: line.split(" | ") for line in text.splitlines() if line.startswith("| worker | ")}
+    assert set(row) == {"airay", "Ray Train"}
+    assert abs(float(row["airay"][7]) - float(row["Ray Train"][7])) < 1e-4

@@ -1,0 +1,311 @@
+"""Recovery after a worker loss and a node loss: airay vs Ray Train's elastic TorchTrainer.
+
+Both sides train the same job on the same 4-node local Ray cluster (real raylets, one CPU each):
+tiny_gpt, DeepSpeed ZeRO-2 with AdamW, global batch 24 split over the world, the same synthetic
+samples per step, a checkpoint every 5 steps, `--steps` steps in all. The fault strikes at the
+start of step `--fault-step`: rank 1 is SIGKILLed (worker loss) or the node of rank 2 dies with
+all its processes (node loss).
+
+  airay      airay.fit with the fault in its chaos spec.
+  Ray Train  ray.train.torch.TorchTrainer (Train V2) with ScalingConfig(num_workers=(2, 4)),
+             FailureConfig(max_failures=3), given its best settings as we know them: the
+             canonical DeepSpeed pattern (every rank saves its ZeRO partition and reports it;
+             Ray Train merges them into one checkpoint), gloo, DeepSpeed's shared-memory op
+             disabled as airay does (a 30 s JIT build neither side uses), and on a restart at
+             another world size the checkpoint is converted to DeepSpeed's universal format
+             (what loading ZeRO state at a new world size requires). A driver thread injects the
+             fault when rank 1 (or 2) has finished step fault_step - 1.
+
+Reported per side (medians over `--repeats`):
+  recovery_s    fault -> the first step completed after recovery (the same definition on both
+                sides; for airay: fault_injected -> resize_finished of the shrink)
+  steps_redone  fault step - the step training resumed at
+  wall_s        training wall time for the fixed number of steps (cluster start excluded)
+
+Usage: python benchmarks/raytrain.py [--faults worker,node] [--repeats 3] [--steps 30] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+
+from airay import JobConfig, fit  # noqa: E402
+from airay.config import LocalClusterSpec  # noqa: E402
+from airay.events import read_jsonl  # noqa: E402
+from airay.local_cluster import LocalCluster  # noqa: E402
+
+GLOBAL_BATCH = 24
+MICRO_BATCH = 4
+CKPT_EVERY = 5
+MODEL_KWARGS = {"forward_delay_s": 0.05}
+DEEPSPEED = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+FAULT_RANK = {"worker": 1, "node": 2}
+HEALTH_CHECK_INTERVAL_S = 0.2
+
+
+# ---- airay ---------------------------------------------------------------------------------------
+
+def airay_run(root: Path, fault: str, steps: int, fault_steps: list[int], local: LocalCluster) -> dict:
+    kind = {"worker": "kill_worker", "node": "remove_node"}[fault]
+    run = root / f"airay-{fault}-{time.time_ns()}"
+    cfg = JobConfig.from_dict({
+        "name": run.name, "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": MODEL_KWARGS},
+        "loss_fn": "airay.models.tiny_gpt:loss", "deepspeed": DEEPSPEED,
+        "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH, "max_steps": steps,
+        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": CKPT_EVERY},
+        "max_failures": len(fault_steps) + 1,
+        "chaos": [{"fault": kind, "at_step": f, "rank": FAULT_RANK[fault]} for f in fault_steps],
+        "run_dir": str(run)})
+    result = fit(cfg, echo=False, local_cluster=local)
+    assert result.status == "finished", result.error
+    ev = read_jsonl(run / "events.jsonl")
+    struck = [e["ts"] for e in ev if e["type"] == "fault_injected"]
+    shrinks = [e for e in ev if e["type"] == "resize_finished" and e["reason"] == "failure"]
+    assert len(struck) == len(shrinks) == len(fault_steps), (struck, shrinks)
+    return {"recovery_s": [e["ts"] - t for e, t in zip(shrinks, struck)],
+            "steps_redone": sum(f - e["resumed_step"] for f, e in zip(fault_steps, shrinks)),
+            "wall_s": result.wall_s, "final_loss": result.final_loss,
+            "goodput": kept_step_time(read_jsonl(run / "metrics.jsonl")) / result.wall_s}
+
+
+# ---- Ray Train -------------------------------------------------------------------------------------
+
+def ray_train_loop(config: dict) -> None:
+    """One Ray Train worker: DeepSpeed on the process group Ray Train made, resumed from its checkpoint."""
+    import deepspeed
+    import ray.train
+    import torch
+    import torch.distributed as tdist
+
+    from airay.checkpoint import convert_to_universal
+    from airay.data import SyntheticSource
+    from airay.models.tiny_gpt import build, loss, synthetic_sample
+    from airay.policy import plan_batch
+    from airay.worker import _disable_cpu_shm_comm, engine_config
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    plan = plan_batch(GLOBAL_BATCH, MICRO_BATCH, world)
+    _disable_cpu_shm_comm()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+    start, load_dir, tag = 0, None, None
+    ckpt = ray.train.get_checkpoint()
+    with (Path(config["progress_dir"]) / "starts.jsonl").open("a") as f:
+        f.write(json.dumps({"ts": time.time(), "rank": rank, "world": world,
+                            "checkpoint": ckpt.path if ckpt else None}) + "\n")
+    ckpt_ctx = ckpt.as_directory() if ckpt else None
+    if ckpt_ctx is not None:
+        load_dir = Path(ckpt_ctx.__enter__())
+        meta = json.loads((load_dir / "meta.json").read_text())
+        start, tag = meta["step"], "native"
+        if meta["world_size"] != world:
+            # ZeRO partitions are per rank: a new world size needs DeepSpeed's universal format.
+            if rank == 0 and not (load_dir / "universal").exists():
+                convert_to_universal(load_dir)
+            tdist.barrier()
+            tag = "universal"
+    model = build(seed=0, **MODEL_KWARGS)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=engine_config(DEEPSPEED, plan, True, tag == "universal"),
+                                      dist_init_required=False)
+    if load_dir is not None:
+        engine.load_checkpoint(str(load_dir), tag=tag)
+        ckpt_ctx.__exit__(None, None, None)
+    data = SyntheticSource(synthetic_sample, 0, {})
+    progress = Path(config["progress_dir"]) / f"rank{rank}.jsonl"
+    node = ray.get_runtime_context().get_node_id()
+    for step in range(start, config["steps"]):
+        t_step = time.time()
+        loss_sum = 0.0
+        for batch in data.micro_batches(step, rank, plan):
+            out = loss(engine, batch)
+            engine.backward(out)
+            engine.step()
+            loss_sum += float(out.detach()) * plan.micro_batch_size
+        with progress.open("a") as f:
+            f.write(json.dumps({"ts": time.time(), "step": step, "pid": os.getpid(), "node": node,
+                                "world": world, "step_time_s": time.time() - t_step}) + "\n")
+        if (step + 1) % CKPT_EVERY == 0 or step + 1 == config["steps"]:
+            with tempfile.TemporaryDirectory() as tmp:
+                engine.save_checkpoint(tmp, tag="native", save_latest=False)
+                if rank == 0:
+                    (Path(tmp) / "meta.json").write_text(json.dumps({"step": step + 1, "world_size": world}))
+                ray.train.report({"step": step + 1},
+                                 checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    # Every rank's loss sum -> the global mean, as airay records it.
+    total = torch.tensor([loss_sum])
+    tdist.all_reduce(total)
+    if rank == 0:
+        (Path(config["progress_dir"]) / "final.json").write_text(json.dumps({"loss": float(total) / GLOBAL_BATCH}))
+
+
+def read_progress(progress_dir: Path) -> list[dict]:
+    rows = []
+    for p in progress_dir.glob("rank*.jsonl"):
+        rows += [dict(json.loads(line), rank=int(p.stem[4:])) for line in p.read_text().splitlines() if line]
+    return sorted(rows, key=lambda r: r["ts"])
+
+
+def inject_when_ready(progress_dir: Path, fault: str, fault_steps: list[int], local: LocalCluster,
+                      strikes: list, stop: threading.Event) -> None:
+    """Driver thread: strike at each fault step, once the fault rank has finished the step before."""
+    rank = FAULT_RANK[fault]
+    for fault_step in fault_steps:
+        since = strikes[-1]["ts"] if strikes else 0.0
+        while not stop.is_set():
+            done = [r for r in read_progress(progress_dir)
+                    if r["rank"] == rank and r["step"] == fault_step - 1 and r["ts"] > since]
+            if done:
+                strikes.append({"ts": time.time(), "step": fault_step,
+                                "pids_before": {r["pid"] for r in read_progress(progress_dir)}})
+                if fault == "worker":
+                    os.kill(done[0]["pid"], signal.SIGKILL)
+                else:
+                    local.remove_node(done[0]["node"])
+                break
+            time.sleep(0.005)
+
+
+def kept_step_time(rows: list[dict]) -> float:
+    """Seconds of the steps that were kept: each step's last execution (earlier ones were redone)."""
+    last = {}
+    for r in sorted(rows, key=lambda r: r["ts"]):
+        last[r["step"]] = r["step_time_s"]
+    return sum(last.values())
+
+
+def ray_train_run(root: Path, fault: str, steps: int, fault_steps: list[int], local: LocalCluster) -> dict:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    # Best settings: Ray Train polls its workers every 2 s by default; polling every 0.2 s detects
+    # the fault sooner and registers a just-reported checkpoint before a failure can drop it.
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(HEALTH_CHECK_INTERVAL_S)
+    name = f"raytrain-{fault}-{time.time_ns()}"
+    progress = root / name / "progress"
+    progress.mkdir(parents=True)
+    strikes: list[dict] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=inject_when_ready, args=(progress, fault, fault_steps, local, strikes, stop),
+                               daemon=True)
+    trainer = TorchTrainer(
+        ray_train_loop, train_loop_config={"steps": steps, "progress_dir": str(progress)},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=(2, 4), use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(root / "storage"),
+                             failure_config=FailureConfig(max_failures=len(fault_steps) + 1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    watcher.start()
+    t0 = time.time()
+    try:
+        trainer.fit()
+    finally:
+        stop.set()
+    wall = time.time() - t0
+    assert len(strikes) == len(fault_steps), f"only {len(strikes)} of {len(fault_steps)} faults fired"
+    rows = read_progress(progress)
+    recovery, redone = [], 0
+    for strike in strikes:
+        first = next(r for r in rows if r["ts"] > strike["ts"] and r["pid"] not in strike["pids_before"])
+        recovery.append(first["ts"] - strike["ts"])
+        redone += strike["step"] - first["step"]
+    final = json.loads((progress / "final.json").read_text())
+    return {"recovery_s": recovery, "steps_redone": redone, "wall_s": wall, "final_loss": final["loss"],
+            "goodput": kept_step_time([r for r in rows if r["rank"] == 0]) / wall}
+
+
+# ---- the comparison ----------------------------------------------------------------------------------
+
+def compare(fault: str, steps: int, fault_steps: list[int], repeats: int, root: Path) -> dict[str, list[dict]]:
+    """Run both sides `repeats` times, alternating, each on a fresh 4-node cluster (a node loss
+    leaves 3 nodes behind)."""
+    runs: dict[str, list[dict]] = {"airay": [], "ray_train": []}
+    for _ in range(repeats):
+        for side, run in (("airay", airay_run), ("ray_train", ray_train_run)):
+            local = LocalCluster(LocalClusterSpec(local_nodes=4, cpus_per_node=1))
+            ray.init(address=local.address, logging_level="ERROR", log_to_driver=False)
+            try:
+                runs[side].append(run(root, fault, steps, fault_steps, local))
+            finally:
+                ray.shutdown()
+                local.shutdown()
+    return runs
+
+
+def median_of(runs: list[dict], key: str) -> tuple[float, float, float]:
+    values = [r[key][0] if isinstance(r[key], list) else r[key] for r in runs]
+    return statistics.median(values), min(values), max(values)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--faults", default="worker,node", help="single-fault recovery runs: worker, node")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--fault-step", type=int, default=12)
+    parser.add_argument("--schedule-steps", type=int, default=0,
+                        help="also a goodput run of this many steps with a worker killed every --every steps")
+    parser.add_argument("--every", type=int, default=40)
+    parser.add_argument("--json", help="also write the numbers here")
+    args = parser.parse_args()
+    faults = [f for f in args.faults.split(",") if f]
+    bad = [f for f in faults if f not in FAULT_RANK]
+    if bad or not 0 < args.fault_step < args.steps:
+        parser.error(f"--faults takes {sorted(FAULT_RANK)}; --fault-step must lie in (0, --steps)")
+
+    out: dict = {"args": vars(args), "recovery": {}, "schedule": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fault in faults:
+            out["recovery"][fault] = compare(fault, args.steps, [args.fault_step], args.repeats, Path(tmp))
+        if args.schedule_steps:
+            schedule = list(range(args.every, args.schedule_steps, args.every))
+            out["schedule"] = {"fault_steps": schedule,
+                               "runs": compare("worker", args.schedule_steps, schedule, args.repeats, Path(tmp))}
+
+    print(f"recovery: {args.steps} steps, fault at step {args.fault_step}, checkpoint every {CKPT_EVERY}; "
+          f"4 workers on a 4-node local cluster; median of {args.repeats} (min-max)")
+    print(f"{'fault':<7} {'side':<10} {'recovery_s':>22} {'steps_redone':>12} {'wall_s':>20} {'final loss':>12}")
+    out["median"] = {}
+    for fault, sides in out["recovery"].items():
+        med = out["median"][fault] = {}
+        for side, runs in sides.items():
+            med[side] = {k: median_of(runs, k) for k in ("recovery_s", "steps_redone", "wall_s", "final_loss")}
+            rec, red, wall, loss = (med[side][k] for k in ("recovery_s", "steps_redone", "wall_s", "final_loss"))
+            print(f"{fault:<7} {side:<10} {rec[0]:>8.2f} ({rec[1]:.2f}-{rec[2]:.2f}) {red[0]:>12.0f} "
+                  f"{wall[0]:>7.1f} ({wall[1]:.1f}-{wall[2]:.1f}) {loss[0]:>12.6f}")
+        a, b = med["airay"], med["ray_train"]
+        print(f"{fault:<7} Ray Train / airay: recovery {b['recovery_s'][0] / a['recovery_s'][0]:.1f}x, "
+              f"wall {b['wall_s'][0] / a['wall_s'][0]:.2f}x")
+    if out["schedule"]:
+        sched = out["schedule"]
+        print(f"goodput: {args.schedule_steps} steps, a worker killed at steps {sched['fault_steps']}; "
+              f"goodput = time of kept steps / wall; median of {args.repeats} (min-max)")
+        gp = out["median"]["schedule"] = {}
+        for side, runs in sched["runs"].items():
+            gp[side] = {k: median_of(runs, k) for k in ("goodput", "wall_s", "steps_redone")}
+            g, w, r = gp[side]["goodput"], gp[side]["wall_s"], gp[side]["steps_redone"]
+            print(f"  {side:<10} goodput {g[0]:.3f} ({g[1]:.3f}-{g[2]:.3f})  wall {w[0]:.1f} s  steps redone {r[0]:.0f}")
+        print(f"  airay / Ray Train goodput: {gp['airay']['goodput'][0] / gp['ray_train']['goodput'][0]:.2f}x; "
+              f"target airay >= 0.9 -> {'met' if gp['airay']['goodput'][0] >= 0.9 else 'MISSED'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,49 +1,88 @@
-"""Checkpoint layout, verification, resharding and retention.
+"""Checkpoint layout, verification, tiers, resharding and retention.
 
-One directory per committed step under the checkpoint root:
+One directory per committed step, in each tier that holds it:
 
     step_00000010/
       native/        DeepSpeed's own save (one file per rank's ZeRO partition)
       universal/     the same state as one file per parameter (DeepSpeed universal
                      checkpoint), loadable at any world size
       manifest.json  written last: the step, world size, format, every file's size and CRC-32
+      KEEP           optional: a checkpoint marked to keep is never pruned
 
-A step directory without a manifest that matches the files' sizes on disk is incomplete and is
-never loaded. Before a checkpoint is loaded its files' CRC-32s are checked too; one that does not
-match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event checkpoint_rejected) and
-the previous checkpoint is loaded instead. Resharding is DeepSpeed universal checkpointing: ZeRO 1-3 partitions are merged per
-parameter once, off the step loop, so recovery at a new world size only reads files.
+Two tiers. The durable tier is `checkpoint.path`: a directory shared by the nodes, or any pyarrow
+filesystem URI (s3://, gs://, ...; airay.storage). The memory tier (`checkpoint.fast_every_n_steps`)
+is a directory in the memory of the driver's node (/dev/shm), written more often, loaded first.
+
+Saving never writes the ranks' files where they become visible: each rank saves into its own
+node's memory (the only time the step loop blocks), hands its files to the committer actor
+through Ray's object store, and the committer assembles the checkpoint, reshards it to the
+universal format, writes the manifest last, and (on durable steps) uploads the files then the
+manifest. A step directory without a manifest that matches the files' sizes is incomplete and
+is never loaded. Before a checkpoint is loaded its files' CRC-32s are checked too; one that does
+not match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event
+checkpoint_rejected) and the next newest is loaded instead. Resharding is DeepSpeed universal
+checkpointing: ZeRO 1-3 partitions are merged per parameter once, off the step loop, so
+recovery at a new world size only reads files.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import shutil
+import tempfile
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from airay.storage import Storage, display
+
 MANIFEST = "manifest.json"
+KEEP_MARKER = "KEEP"
 NATIVE_TAG = "native"
 UNIVERSAL_TAG = "universal"
+TIERS = ("memory", "durable")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step_{step:08d}"
+    return Path(root) / step_name(step)
+
+
+def memory_root(base: str | os.PathLike | None, durable: str) -> Path:
+    """The memory tier's directory for a durable location: one per checkpoint path, the same on
+    every run of the job, so a job re-run on the same node finds its memory checkpoints."""
+    if base is None:
+        base = "/dev/shm/airay" if os.path.isdir("/dev/shm") else os.path.join(tempfile.gettempdir(), "airay-mem")
+    key = hashlib.sha1(display(durable).encode()).hexdigest()[:12]
+    return Path(base) / f"ckpt-{key}"
+
+
+def scratch_root() -> Path:
+    """Node-local memory for files on their way somewhere (a rank's save, a load's download)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return Path(base) / f"airay-{os.getpid()}"
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int
-    path: Path
+    path: str  # a local path or a URI
     world_size: int
     load_tag: str  # the DeepSpeed tag to load: universal, or native for ZeRO stage 0
     bytes: int
     committed_ts: float = 0.0  # unix time the manifest was written
+    tier: str = "durable"
+    keep: bool = False  # marked KEEP: never pruned
+    root: str = ""  # the tier's location (airay.storage.Storage), with any URI parameters
+    name: str = ""  # the step directory's name under root
 
 
 def _files_with_sizes(root: Path, subdirs: list[str]) -> dict[str, int]:
@@ -61,6 +100,15 @@ def crc32(path: str | os.PathLike) -> int:
         while chunk := f.read(1 << 20):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def _as_storage(root: str | os.PathLike | Storage) -> Storage:
+    return root if isinstance(root, Storage) else Storage(root)
+
+
+def _split(path: str | os.PathLike) -> tuple[Storage, str]:
+    p = Path(path)
+    return Storage(p.parent), p.name
 
 
 def convert_to_universal(path: str | os.PathLike) -> float:
@@ -81,8 +129,9 @@ def convert_to_universal(path: str | os.PathLike) -> float:
     return time.perf_counter() - t0
 
 
-def commit(path: str | os.PathLike, step: int, world_size: int, zero_stage: int) -> CheckpointInfo:
-    """Make a fully written checkpoint visible: reshard it if needed, then write its manifest last."""
+def commit(path: str | os.PathLike, step: int, world_size: int, zero_stage: int,
+           tier: str = "durable") -> CheckpointInfo:
+    """Make a fully written local checkpoint visible: reshard it if needed, then write its manifest last."""
     path = Path(path)
     load_tag = UNIVERSAL_TAG if zero_stage > 0 else NATIVE_TAG
     if load_tag == UNIVERSAL_TAG:
@@ -95,107 +144,165 @@ def commit(path: str | os.PathLike, step: int, world_size: int, zero_stage: int)
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, path / MANIFEST)  # atomic: readers see no manifest or a whole one
-    return CheckpointInfo(step, path, world_size, load_tag, sum(files.values()), created)
+    return CheckpointInfo(step, str(path), world_size, load_tag, sum(files.values()), created, tier,
+                          root=str(path.parent), name=path.name)
+
+
+def publish(local: str | os.PathLike, storage: Storage, name: str) -> float:
+    """Copy a committed local checkpoint to `storage`: every file first, the manifest last, so
+    the copy is visible only when whole (object stores have no rename). Returns the commit time."""
+    local = Path(local)
+    manifest = json.loads((local / MANIFEST).read_text())
+    storage.delete_dir(name)  # a partial copy from a run that died while uploading
+    storage.upload(local, name, sorted(manifest["files"]))
+    manifest["created"] = time.time()
+    storage.write_bytes(f"{name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    return manifest["created"]
+
+
+def verify_at(storage: Storage, name: str, tier: str = "durable") -> CheckpointInfo | None:
+    """The checkpoint's info if its manifest exists and every listed file has its size, else None."""
+    try:
+        manifest = json.loads(storage.read_bytes(f"{name}/{MANIFEST}"))
+    except (OSError, ValueError):
+        return None
+    if not manifest.get("files"):
+        return None
+    sizes = storage.sizes(name)
+    if any(sizes.get(rel) != size for rel, size in manifest["files"].items()):
+        return None
+    return CheckpointInfo(manifest["step"], storage.uri(name), manifest["world_size"], manifest["load_tag"],
+                          sum(manifest["files"].values()), manifest.get("created", 0.0), tier,
+                          keep=KEEP_MARKER in sizes, root=storage.location, name=name)
 
 
 def verify(path: str | os.PathLike) -> CheckpointInfo | None:
-    """The checkpoint's info if its manifest exists and every listed file has its size, else None."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    for rel, size in manifest.get("files", {}).items():
-        f = path / rel
-        if not f.is_file() or f.stat().st_size != size:
-            return None
-    if not manifest.get("files"):
-        return None
-    return CheckpointInfo(manifest["step"], path, manifest["world_size"], manifest["load_tag"],
-                          sum(manifest["files"].values()), manifest.get("created", 0.0))
+    return verify_at(*_split(path))
+
+
+def corrupt_files_at(storage: Storage, name: str) -> list[str]:
+    """Files of a size-verified checkpoint whose CRC-32 differs from its manifest's (reads them all)."""
+    manifest = json.loads(storage.read_bytes(f"{name}/{MANIFEST}"))
+    bad = []
+    for rel, expected in manifest.get("crc32", {}).items():
+        crc = 0
+        for chunk in storage.chunks(f"{name}/{rel}"):
+            crc = zlib.crc32(chunk, crc)
+        if crc != expected:
+            bad.append(rel)
+    return bad
 
 
 def corrupt_files(path: str | os.PathLike) -> list[str]:
-    """Files of a size-verified checkpoint whose CRC-32 differs from its manifest's (reads them all)."""
-    path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
-    return [rel for rel, crc in manifest.get("crc32", {}).items() if crc32(path / rel) != crc]
+    return corrupt_files_at(*_split(path))
+
+
+def reject_at(storage: Storage, name: str) -> str:
+    """Set a corrupt checkpoint aside, out of the step directories (kept for inspection, not
+    loaded again); returns where it went."""
+    storage.move_dir(name, "rejected_" + name)
+    return storage.uri("rejected_" + name)
 
 
 def reject(path: str | os.PathLike) -> Path:
-    """Set a corrupt checkpoint aside, out of step_dirs (kept for inspection, not loaded again)."""
-    path = Path(path)
-    dest = path.with_name("rejected_" + path.name)
-    shutil.rmtree(dest, ignore_errors=True)
-    os.replace(path, dest)
-    return dest
+    return Path(reject_at(*_split(path)))
+
+
+def step_names(storage: Storage) -> list[str]:
+    """Step directories, newest first."""
+    return sorted((n for n in storage.list_dirs() if n.startswith("step_")), reverse=True)
 
 
 def step_dirs(root: str | os.PathLike) -> list[Path]:
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_")), reverse=True)
+    storage = Storage(root)
+    return [Path(storage.full(n)) for n in step_names(storage)]
 
 
-def latest_complete(root: str | os.PathLike) -> CheckpointInfo | None:
+def complete(root: str | os.PathLike | Storage, tier: str = "durable") -> list[CheckpointInfo]:
+    """Every checkpoint under `root` whose manifest and sizes hold, newest first."""
+    storage = _as_storage(root)
+    return [info for n in step_names(storage) if (info := verify_at(storage, n, tier)) is not None]
+
+
+def latest_complete(root: str | os.PathLike | Storage) -> CheckpointInfo | None:
     """The newest verified checkpoint; incomplete or corrupt ones are skipped."""
-    for p in step_dirs(root):
-        info = verify(p)
-        if info is not None:
-            return info
-    return None
+    found = complete(root)
+    return found[0] if found else None
 
 
-def prune(root: str | os.PathLike, keep_last: int, protect: Path | None = None) -> list[Path]:
+def load_order(candidates: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """The order to try checkpoints in: newest step first; at the same step the memory tier
+    first (it loads faster than storage)."""
+    return sorted(candidates, key=lambda c: (-c.step, TIERS.index(c.tier)))
+
+
+def prune(root: str | os.PathLike | Storage, keep_last: int, protect: str | os.PathLike | None = None) -> list[Path]:
     """Delete all but the newest `keep_last` verified checkpoints (and incomplete older dirs).
 
-    Never deletes `protect` (the checkpoint being loaded) or a directory newer than the newest
-    verified one (it may still be being written).
+    Never deletes `protect` (the checkpoint being loaded or just committed), one marked KEEP, or
+    a directory newer than the newest verified one (it may still be being written); keep_last
+    is at least 1, so the newest good checkpoint always stays.
     """
+    storage = _as_storage(root)
+    keep_last = max(1, keep_last)
+    protect_name = Path(str(protect).split("?", 1)[0]).name if protect is not None else None
     removed = []
     verified_seen = 0
     newest_verified_passed = False
-    for p in step_dirs(root):
-        ok = verify(p) is not None
-        if ok:
+    for name in step_names(storage):
+        info = verify_at(storage, name)
+        if info is not None and not info.keep:
             verified_seen += 1
             newest_verified_passed = True
-        if not newest_verified_passed or (protect is not None and p.resolve() == Path(protect).resolve()):
+        if not newest_verified_passed or name == protect_name or (info is not None and info.keep):
             continue
-        if (ok and verified_seen > keep_last) or (not ok):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+        if info is None or verified_seen > keep_last:
+            storage.delete_dir(name)
+            removed.append(Path(storage.full(name)))
     return removed
 
 
 class Checkpointer:
-    """Owns the checkpoint directory: collective save, background commit, choice of what to load.
+    """Owns the checkpoint tiers: collective save, background commit, choice of what to load.
 
-    The step loop blocks only for the ranks' save; resharding to universal format and the
-    manifest happen in the group's committer process while training goes on.
+    The step loop blocks only while the ranks save into their nodes' memory; assembling,
+    resharding, the manifest and the upload to durable storage happen in the group's committer
+    while training goes on.
     """
 
-    def __init__(self, root: str | os.PathLike, zero_stage: int, keep_last: int, recorder):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.zero_stage, self.keep_last, self.rec = zero_stage, keep_last, recorder
-        self._inflight = None  # (ref, step, path, unix start time, blocking_s)
+    def __init__(self, root: str | os.PathLike, zero_stage: int, keep_last: int, recorder,
+                 memory: str | os.PathLike | None = None, memory_keep_last: int = 2):
+        self.storage = Storage(root)
+        if self.storage.is_local:
+            Path(self.storage.base).mkdir(parents=True, exist_ok=True)
+        self.memory = Path(memory) if memory is not None else None
+        if self.memory is not None:
+            self.memory.mkdir(parents=True, exist_ok=True)
+        self.zero_stage, self.keep_last, self.memory_keep_last, self.rec = zero_stage, keep_last, memory_keep_last, recorder
+        self._inflight = None  # (ref, step, tier, unix start time, blocking_s)
         self.last_saved_step: int | None = None
 
-    def save(self, group, step: int, data_position: dict | None = None):
-        """Collective save of `step` (with the data position at it, when data is streamed);
-        returns the ranks' outcomes (all ok, or a loss to handle)."""
+    @property
+    def root(self) -> str:
+        return self.storage.uri()
+
+    def save(self, group, step: int, data_position: dict | None = None, durable: bool = True):
+        """Collective save of `step` (with the data position at it, when data is streamed) into
+        the memory tier, and also to durable storage when `durable` (always without a memory
+        tier); returns the ranks' outcomes (all ok, or a loss to handle)."""
         self.wait()
-        path = step_dir(self.root, step)
-        shutil.rmtree(path, ignore_errors=True)  # a partial save from before a failure
+        durable = durable or self.memory is None
         t0 = time.time()
-        outcomes, _ = group.save(str(path), step, data_position)
+        outcomes, values = group.save(step, data_position)
         if any(o.kind != "ok" for o in outcomes):
             return outcomes
         blocking = time.time() - t0
-        ref = group.commit(str(path), step, len(group.active), self.zero_stage, self.keep_last)
-        self._inflight = (ref, step, path, t0, blocking)
+        spec = {"step": step, "world_size": len(group.active), "zero_stage": self.zero_stage,
+                "durable": self.storage.location if durable else None, "keep_last": self.keep_last,
+                "memory": str(self.memory) if self.memory is not None else None,
+                "memory_keep_last": self.memory_keep_last}
+        ref = group.commit(spec, [v["dir"] for v in values])
+        self._inflight = (ref, step, "durable" if durable else "memory", t0, blocking)
         self.last_saved_step = step
         return outcomes
 
@@ -210,29 +317,39 @@ class Checkpointer:
     def _finish(self) -> None:
         import ray
 
-        ref, step, path, t0, blocking = self._inflight
+        ref, step, tier, t0, blocking = self._inflight
         self._inflight = None
         try:
-            info = ray.get(ref)
-        except Exception as exc:  # the committer died (its node was lost): the step stays invisible
-            self.rec.event("checkpoint_failed", step=step, path=str(path), error=str(exc).splitlines()[0])
+            done = ray.get(ref)
+        except Exception as exc:  # a rank or the committer died: the step stays invisible
+            self.rec.event("checkpoint_failed", step=step, tier=tier, error=str(exc).splitlines()[0])
             self.last_saved_step = None
             return
-        # total_s ends when the committer wrote the manifest, not when the driver looked.
-        self.rec.event("checkpoint_saved", step=step, path=str(path), blocking_s=blocking,
-                       total_s=info.committed_ts - t0, bytes=info.bytes, world_size=info.world_size)
+        # total_s ends when the committer wrote the last manifest, not when the driver looked.
+        extra = {"memory_s": done["memory_ts"] - t0} if done["memory_ts"] is not None else {}
+        self.rec.event("checkpoint_saved", step=step, path=done["path"], tier=tier, blocking_s=blocking,
+                       total_s=done["committed_ts"] - t0, bytes=done["bytes"], world_size=done["world_size"],
+                       **extra)
+
+    def candidates(self) -> list[CheckpointInfo]:
+        found = complete(self.storage)
+        if self.memory is not None:
+            found += complete(Storage(self.memory), tier="memory")
+        return load_order(found)
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint whose checksums hold; corrupt ones are rejected."""
+        """The newest complete checkpoint of either tier whose checksums hold; corrupt ones are
+        rejected (and the next newest tried)."""
         self.wait()
-        while (info := latest_complete(self.root)) is not None:
+        for info in self.candidates():
+            storage = Storage(info.root)
             # Read at every load decision (rare: start, recovery, grow), so a file damaged after
             # its commit is caught too.
-            bad = corrupt_files(info.path)
+            bad = corrupt_files_at(storage, info.name)
             if not bad:
                 return info
-            dest = reject(info.path)
-            self.rec.event("checkpoint_rejected", step=info.step, path=str(info.path), moved_to=str(dest),
+            dest = reject_at(storage, info.name)
+            self.rec.event("checkpoint_rejected", step=info.step, path=info.path, tier=info.tier, moved_to=dest,
                            reason=f"CRC-32 mismatch in {bad[:3]}")
         return None
 
@@ -243,13 +360,57 @@ def _ready(ref) -> bool:
     return bool(ray.wait([ref], timeout=0)[0])
 
 
+def read_files(root: str | os.PathLike, names: list[str]) -> dict[str, bytes]:
+    root = Path(root)
+    return {n: (root / n).read_bytes() for n in names}
+
+
+def write_files(root: str | os.PathLike, files: dict[str, bytes]) -> None:
+    root = Path(root)
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
 class Committer:
-    """Ray actor body: reshards and commits checkpoints off the training processes."""
+    """Ray actor body, on the driver's node: assembles, reshards and commits checkpoints off the
+    training processes, holds the memory tier, and serves it to loading ranks."""
 
     def __init__(self):
         import deepspeed.checkpoint.ds_to_universal  # noqa: F401  (import once, not per commit)
 
-    def commit(self, path: str, step: int, world_size: int, zero_stage: int, keep_last: int) -> CheckpointInfo:
-        info = commit(path, step, world_size, zero_stage)
-        prune(Path(path).parent, keep_last, protect=Path(path))
-        return info
+    def commit(self, spec: dict, *rank_files: dict[str, bytes]) -> dict:
+        """`rank_files`: each rank's files of the step (arrive through the object store)."""
+        name = step_name(spec["step"])
+        durable = Storage(spec["durable"]) if spec["durable"] is not None else None
+        if spec["memory"] is not None:
+            local, tier = Path(spec["memory"]) / name, "memory"
+        elif durable is not None and durable.is_local:
+            local, tier = Path(durable.full(name)), "durable"  # assembled in place: no copy
+        else:
+            local, tier = scratch_root() / name, "scratch"
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            for files in rank_files:
+                write_files(local, files)
+            del rank_files
+            info = commit(local, spec["step"], spec["world_size"], spec["zero_stage"])
+            memory_ts = info.committed_ts if tier == "memory" else None
+            committed_ts, path = info.committed_ts, str(local)
+            if durable is not None and tier != "durable":
+                committed_ts, path = publish(local, durable, name), durable.uri(name)
+            if durable is not None:
+                prune(durable, spec["keep_last"], protect=name)
+            if tier == "memory":
+                prune(Storage(spec["memory"]), spec["memory_keep_last"], protect=name)
+        finally:
+            if tier == "scratch":
+                shutil.rmtree(local, ignore_errors=True)
+        return {"path": path, "bytes": info.bytes, "world_size": info.world_size, "memory_ts": memory_ts,
+                "committed_ts": committed_ts}
+
+    def package(self, path: str, tag: str) -> dict[str, bytes]:
+        """The files a rank needs to load `tag` of a memory-tier checkpoint (sent to every node
+        once through the object store: workers on other nodes cannot read this node's memory)."""
+        root = Path(path)
+        return read_files(root, [str(p.relative_to(root)) for p in sorted((root / tag).rglob("*")) if p.is_file()])

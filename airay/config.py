@@ -133,10 +133,53 @@ class ScalingSpec(_Spec):
         return value
 
 
+# pyarrow.fs schemes a checkpoint path may use (besides a local or NFS directory).
+STORAGE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
+
+
 class CheckpointSpec(_Spec):
-    path: str | None = Field(None, description="directory shared by all nodes; default RUN_DIR/checkpoints")
-    every_n_steps: int = Field(10, ge=1)
-    keep_last: int = Field(3, ge=1, description="durable checkpoints kept; older ones are deleted")
+    """Two tiers: durable checkpoints on `path` every `every_n_steps`, and (with
+    `fast_every_n_steps`) more frequent ones in the memory of the driver's node, loaded first."""
+
+    path: str | None = Field(
+        None, description="durable tier: a directory shared by all nodes, or a pyarrow filesystem URI "
+        "(s3://bucket/prefix, gs://..., hdfs://...); default RUN_DIR/checkpoints. Re-running a job on the "
+        "same path resumes from its newest good checkpoint")
+    every_n_steps: int = Field(10, ge=1, description="durable checkpoint interval")
+    keep_last: int = Field(3, ge=1, description="durable checkpoints kept (and any marked KEEP); older ones "
+                           "are deleted")
+    fast_every_n_steps: int | None = Field(
+        None, ge=1, description="memory tier interval; must divide every_n_steps. Default: no memory tier")
+    memory_path: str | None = Field(
+        None, description="the memory tier's base directory on the driver's node; default /dev/shm/airay")
+    memory_keep_last: int = Field(2, ge=1, description="memory-tier checkpoints kept")
+    preemption_grace_s: float = Field(
+        30, gt=0, description="after SIGTERM (spot reclaim), the run checkpoints and exits within this long")
+
+    @field_validator("path")
+    @classmethod
+    def _storage_uri(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value:
+            scheme = value.split("://", 1)[0].lower()
+            if scheme not in STORAGE_SCHEMES:
+                raise ValueError(f"'{scheme}://' is not a pyarrow filesystem; use a directory or one of "
+                                 + ", ".join(f"{s}://" for s in STORAGE_SCHEMES))
+        return value
+
+    @model_validator(mode="after")
+    def _fast_divides(self) -> "CheckpointSpec":
+        fast = self.fast_every_n_steps
+        if fast is not None and (fast > self.every_n_steps or self.every_n_steps % fast):
+            raise ValueError(f"fast_every_n_steps ({fast}) must divide every_n_steps ({self.every_n_steps}), "
+                             "so every durable checkpoint is also a memory one; e.g. set it to "
+                             + ", ".join(str(d) for d in range(1, self.every_n_steps + 1)
+                                         if self.every_n_steps % d == 0))
+        return self
+
+    @property
+    def interval(self) -> int:
+        """Steps between checkpoints of either tier."""
+        return self.fast_every_n_steps or self.every_n_steps
 
 
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",

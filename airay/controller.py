@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from airay import chaos, goodput, policy
-from airay.checkpoint import CheckpointInfo, Checkpointer
+from airay.checkpoint import CheckpointInfo, Checkpointer, memory_root
 from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.feeder import DataLog, Feeder, Stream
@@ -81,8 +81,10 @@ class Controller:
         self.local = local
         self.plans = policy.batch_plans(config.global_batch_size, config.micro_batch_size,
                                         config.scaling.min_workers, config.scaling.max_workers)
-        root = config.checkpoint.path or str(recorder.run_dir / "checkpoints")
-        self.ckpt = Checkpointer(root, config.zero_stage, config.checkpoint.keep_last, recorder)
+        ck = config.checkpoint
+        root = ck.path or str(recorder.run_dir / "checkpoints")
+        memory = memory_root(ck.memory_path, root) if ck.fast_every_n_steps else None
+        self.ckpt = Checkpointer(root, config.zero_stage, ck.keep_last, recorder, memory, ck.memory_keep_last)
         self.group: WorkerGroup | None = None
         # A streamed dataset's feeder buffers a round plus what workers prefetch beyond it.
         self.feeder = Feeder(stream, config.max_steps, config.steps_per_round + config.data.prefetch_steps + 1,
@@ -177,7 +179,7 @@ class Controller:
             return State.GROWING
         pending = [c.at_step for i, c in enumerate(self.cfg.chaos) if i not in self.fired]
         end = policy.next_round_end(self.step, self.cfg.max_steps, self.cfg.steps_per_round,
-                                    self.cfg.checkpoint.every_n_steps, pending)
+                                    self.cfg.checkpoint.interval, pending)
         if self.pending_resize is not None:
             end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
         faults, after_launch, struck = self._inject(self.step, end)
@@ -190,7 +192,7 @@ class Controller:
         self._check_stragglers(self.step, values)
         self._record_steps(self.step, end, values)
         self.step = end
-        if self.step % self.cfg.checkpoint.every_n_steps == 0 or self.step == self.cfg.max_steps:
+        if self.step % self.cfg.checkpoint.interval == 0 or self.step == self.cfg.max_steps:
             if not self._checkpoint():
                 return State.RECOVERING
         return State.RUNNING
@@ -293,14 +295,15 @@ class Controller:
             return False
         t_load = time.time()
         if ckpt is not None:
-            outcomes, values = self.group.load(str(ckpt.path), ckpt.load_tag)
+            outcomes, values = self.group.load(ckpt)
             if not self._ok(outcomes):
                 return False
             self.step = values[0]["step"]
             if self.feeder is not None:
                 self.feeder.check_position(values[0].get("data_position"), self.step)
-            self.rec.event("checkpoint_loaded", step=self.step, path=str(ckpt.path), world_size=size,
-                           saved_world_size=ckpt.world_size, load_s=time.time() - t_load)
+            self.rec.event("checkpoint_loaded", step=self.step, path=str(ckpt.path), tier=ckpt.tier, world_size=size,
+                           saved_world_size=ckpt.world_size, load_s=time.time() - t_load,
+                           fetch_s=max(v["fetch_s"] for v in values))
         else:
             self.step = 0
         self.world_sizes.append(size)
@@ -357,9 +360,12 @@ class Controller:
             self.rec.event("straggler_detected", step=start, rank=rank, node_id=self.group.member(rank).node_id,
                            local_s=sorted(local[rank])[len(local[rank]) // 2], median_local_s=medians[len(medians) // 2])
 
-    def _checkpoint(self) -> bool:
+    def _checkpoint(self, durable: bool | None = None) -> bool:
+        """Save this step: to durable storage on its interval and at the end, else to memory."""
+        if durable is None:
+            durable = self.step % self.cfg.checkpoint.every_n_steps == 0 or self.step == self.cfg.max_steps
         outcomes = self.ckpt.save(self.group, self.step,
-                                  self.feeder.position(self.step) if self.feeder is not None else None)
+                                  self.feeder.position(self.step) if self.feeder is not None else None, durable)
         return self._ok(outcomes)
 
     def _can_grow(self) -> bool:

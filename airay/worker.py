@@ -242,23 +242,71 @@ class TrainWorker:
 
     # ---- checkpoints -----------------------------------------------------------------------
 
-    def save(self, path: str, step: int, data_position: dict[str, Any] | None = None) -> dict[str, float]:
-        from airay.checkpoint import NATIVE_TAG
+    def save(self, step: int, data_position: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Save this rank's part of `step` into its node's memory; `collect` hands it on. Each rank
+        saves into its own directory (DeepSpeed's file names carry the rank, so the union of
+        the ranks' directories is the whole checkpoint), so ranks sharing a node never clash."""
+        import shutil
+
+        from airay.checkpoint import NATIVE_TAG, scratch_root, step_name
 
         t0 = time.perf_counter()
-        self.engine.save_checkpoint(save_dir=path, tag=NATIVE_TAG,
+        stage = scratch_root() / "stage"
+        shutil.rmtree(stage, ignore_errors=True)  # an earlier step's save that was never collected
+        path = stage / step_name(step)
+        (path / NATIVE_TAG).mkdir(parents=True)
+        self.engine.save_checkpoint(save_dir=str(path), tag=NATIVE_TAG,
                                     client_state={"airay_step": step, "airay_data": data_position},
                                     save_latest=False)
-        return {"save_s": time.perf_counter() - t0}
+        return {"save_s": time.perf_counter() - t0, "dir": str(path)}
 
-    def load(self, path: str, tag: str) -> dict[str, Any]:
+    @ray.method(concurrency_group="io")
+    def collect(self, path: str) -> dict[str, bytes]:
+        """This rank's saved files (relative paths -> bytes), for the committer; runs beside the
+        step loop, so training goes on while the checkpoint travels."""
+        import shutil
+        from pathlib import Path
+
+        from airay.checkpoint import read_files
+
+        root = Path(path)
+        files = read_files(root, [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()])
+        shutil.rmtree(root, ignore_errors=True)
+        return files
+
+    def load(self, path: str, tag: str, source: str = "path", files: dict[str, bytes] | None = None,
+             root: str | None = None, name: str | None = None) -> dict[str, Any]:
+        """Load a checkpoint into the engine. `source`: path (a directory every node sees), memory
+        (`files`, from the committer's memory tier), storage (download `name` from `root`)."""
+        import shutil
+
+        from airay.checkpoint import scratch_root, write_files
+        from airay.storage import Storage
+
         t0 = time.perf_counter()
-        load_path, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
-                                                        load_lr_scheduler_states=True)
+        local = None
+        if source == "memory":
+            local = scratch_root() / "load"
+            shutil.rmtree(local, ignore_errors=True)
+            write_files(local, files)
+            path = str(local)
+        elif source == "storage":
+            local = scratch_root() / "load"
+            shutil.rmtree(local, ignore_errors=True)
+            storage = Storage(root)
+            storage.download(name, local, [f"{tag}/{rel}" for rel in storage.sizes(f"{name}/{tag}")])
+            path = str(local)
+        t_fetch = time.perf_counter()
+        try:
+            load_path, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                            load_lr_scheduler_states=True)
+        finally:
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint at {path}/{tag}")
         return {"step": int(client["airay_step"]), "data_position": client.get("airay_data"),
-                "load_s": time.perf_counter() - t0}
+                "fetch_s": t_fetch - t0, "load_s": time.perf_counter() - t0}
 
     # ---- training ------------------------------------------------------------------------------
 

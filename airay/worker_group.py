@@ -18,7 +18,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from airay import placement
-from airay.checkpoint import Committer
+from airay.checkpoint import CheckpointInfo, Committer
+from airay.storage import Storage
 from airay.health import RankOutcome, find_hung, position
 from airay.policy import BatchPlan
 from airay.worker import TrainWorker, UserCodeError
@@ -53,7 +54,7 @@ class WorkerGroup:
         self.first_failure_ts: float | None = None  # when the last failed call was first noticed
         self.hangs: list[dict[str, Any]] = []  # the hung ranks of the last failed round, and why
         self.excluded: set[str] = set()  # nodes kept out of placement for the rest of the run
-        self._actor_cls = ray.remote(concurrency_groups={"control": 1})(TrainWorker)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1, "io": 1})(TrainWorker)
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if per_worker.get("GPU") else {}
         self._actor_opts = {**placement.actor_options(per_worker), "max_restarts": 0,
                             "runtime_env": {"env_vars": env} if env else None}
@@ -62,8 +63,11 @@ class WorkerGroup:
             num_cpus=0, max_restarts=-1, scheduling_strategy=NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)).remote()
 
-    def commit(self, path: str, step: int, world_size: int, zero_stage: int, keep_last: int):
-        return self.committer.commit.remote(path, step, world_size, zero_stage, keep_last)
+    def commit(self, spec: dict, dirs: list[str]):
+        """Hand each rank's saved files to the committer (through the object store, in the
+        ranks' io threads while they train on); returns the commit's ref."""
+        refs = [m.actor.collect.remote(d) for m, d in zip(self.active, dirs)]
+        return self.committer.commit.remote(spec, *refs)
 
     # ---- reserving capacity ----------------------------------------------------------------
 
@@ -154,11 +158,21 @@ class WorkerGroup:
             after_launch()
         return self._gather(refs, hang_timeout_s)
 
-    def save(self, path: str, step: int, data_position: dict | None = None) -> tuple[list[RankOutcome], list]:
-        return self._gather([m.actor.save.remote(path, step, data_position) for m in self.active])
+    def save(self, step: int, data_position: dict | None = None) -> tuple[list[RankOutcome], list]:
+        return self._gather([m.actor.save.remote(step, data_position) for m in self.active])
 
-    def load(self, path: str, tag: str) -> tuple[list[RankOutcome], list]:
-        return self._gather([m.actor.load.remote(path, tag) for m in self.active])
+    def load(self, ckpt: CheckpointInfo) -> tuple[list[RankOutcome], list]:
+        """Every rank loads `ckpt`: a memory-tier one is served by the committer, a remote one
+        is downloaded by each rank, a shared directory is read in place."""
+        if ckpt.tier == "memory":
+            files = self.committer.package.remote(ckpt.path, ckpt.load_tag)
+            refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag, "memory", files) for m in self.active]
+        elif Storage(ckpt.root).is_local:
+            refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag) for m in self.active]
+        else:
+            refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag, "storage", root=ckpt.root, name=ckpt.name)
+                    for m in self.active]
+        return self._gather(refs)
 
     def _gather(self, refs: list, hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish

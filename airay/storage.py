@@ -1,0 +1,141 @@
+"""Where durable checkpoints live: a local or NFS directory, or any pyarrow filesystem URI.
+
+`Storage("/nfs/ckpt")`, `Storage("s3://bucket/run1")`, `Storage("gs://bucket/run1")`: one small
+surface (list, sizes, read, write, upload, download, delete) over `pyarrow.fs`, so the checkpoint
+code never cares which. Paths inside are relative to the root and use "/".
+
+Object stores have no rename, so nothing here relies on one: a checkpoint is made visible by
+writing its manifest last (airay.checkpoint); a single object PUT is atomic on S3 and GCS, and
+on a local filesystem the manifest is written aside and renamed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+# Files are copied in pieces of this size: large enough for object stores' throughput, small
+# enough that a copy never holds a whole multi-GB shard in memory.
+CHUNK = 8 << 20
+
+
+def is_uri(location: str) -> bool:
+    return "://" in str(location) and not str(location).startswith("file://")
+
+
+def display(location: str | os.PathLike) -> str:
+    """A location as users see it: an absolute path, or the URI without its query parameters
+    (endpoint_override=... says how to reach the store, not where in it). Touches nothing."""
+    location = str(location)
+    if is_uri(location):
+        return location.split("?", 1)[0].rstrip("/")
+    return str(Path(location.removeprefix("file://")).absolute())
+
+
+class Storage:
+    def __init__(self, location: str | os.PathLike):
+        location = str(location)
+        if is_uri(location):
+            self.fs, self.base = pafs.FileSystem.from_uri(location)
+            self.base = self.base.rstrip("/")
+        else:
+            self.fs = pafs.LocalFileSystem()
+            self.base = str(Path(location.removeprefix("file://")).absolute())
+        self.location = location
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    def full(self, rel: str = "") -> str:
+        return f"{self.base}/{rel}" if rel else self.base
+
+    def uri(self, rel: str = "") -> str:
+        """A name for users and events: the local path, or the URI."""
+        if self.is_local:
+            return self.full(rel)
+        return display(self.location) + (f"/{rel}" if rel else "")
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def list_dirs(self, rel: str = "") -> list[str]:
+        """Names of the directories right under `rel` ([] if it does not exist). On object
+        stores a "directory" is a common key prefix."""
+        sel = pafs.FileSelector(self.full(rel), allow_not_found=True, recursive=False)
+        return sorted(i.base_name for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.Directory)
+
+    def sizes(self, rel: str) -> dict[str, int]:
+        """{path relative to `rel`: size} of every file under `rel`."""
+        root = self.full(rel)
+        sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
+        return {i.path[len(root) + 1:]: i.size for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.File}
+
+    def size(self, rel: str) -> int | None:
+        info = self.fs.get_file_info(self.full(rel))
+        return info.size if info.type == pafs.FileType.File else None
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self.full(rel)) as f:
+            return f.read()
+
+    def chunks(self, rel: str):
+        with self.fs.open_input_stream(self.full(rel)) as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write one file so readers see none of it or all of it."""
+        if self.is_local:
+            path = Path(self.full(rel))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        else:
+            with self.fs.open_output_stream(self.full(rel)) as f:  # one PUT: atomic on S3/GCS
+                f.write(data)
+
+    def upload(self, local_dir: str | os.PathLike, rel: str, files: list[str]) -> int:
+        """Copy `files` (relative to `local_dir`) to `rel/...`; returns bytes copied."""
+        total = 0
+        local = pafs.LocalFileSystem()
+        for name in files:
+            dest = f"{self.full(rel)}/{name}"
+            self.fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+            with local.open_input_stream(str(Path(local_dir) / name)) as src, self.fs.open_output_stream(dest) as out:
+                while chunk := src.read(CHUNK):
+                    out.write(chunk)
+                    total += len(chunk)
+        return total
+
+    def download(self, rel: str, local_dir: str | os.PathLike, files: list[str]) -> int:
+        """Copy `rel/<name>` for each of `files` into `local_dir/<name>`; returns bytes copied."""
+        total = 0
+        for name in files:
+            dest = Path(local_dir) / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(dest, "wb") as out:
+                for chunk in self.chunks(f"{rel}/{name}"):
+                    out.write(chunk)
+                    total += len(chunk)
+        return total
+
+    def delete_dir(self, rel: str) -> None:
+        try:
+            self.fs.delete_dir(self.full(rel))
+        except (FileNotFoundError, OSError):
+            pass
+
+    def move_dir(self, rel: str, new_rel: str) -> None:
+        """Rename a directory (local filesystems; object stores copy then delete)."""
+        self.delete_dir(new_rel)
+        if self.is_local:
+            os.replace(self.full(rel), self.full(new_rel))
+            return
+        for name in self.sizes(rel):
+            self.fs.copy_file(f"{self.full(rel)}/{name}", f"{self.full(new_rel)}/{name}")
+        self.delete_dir(rel)

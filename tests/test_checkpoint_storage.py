@@ -1,0 +1,149 @@
+"""Checkpoint tiers and storage on real files and a real S3-compatible server (no Ray, no
+DeepSpeed save: the committer's logic runs in this process on rank files made here)."""
+
+import json
+
+import pytest
+
+from airay import checkpoint as ck
+from airay.config import ConfigError, JobConfig
+from airay.storage import Storage
+from tests.s3server import s3_server
+
+
+class Rec:
+    def __init__(self):
+        self.events = []
+
+    def event(self, type_, **fields):
+        self.events.append((type_, fields))
+
+
+def rank_files(step, world=2, size=4000):
+    """What `TrainWorker.collect` hands the committer: each rank's DeepSpeed files, by rank."""
+    out = [{"native/mp_rank_00_model_states.pt": bytes([step % 251]) * size}]
+    for r in range(world):
+        out.append({f"native/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": bytes([(step + r) % 251]) * size})
+    return out
+
+
+def commit(step, durable, memory=None, keep_last=3, to_durable=True):
+    spec = {"step": step, "world_size": 2, "zero_stage": 0, "durable": durable if to_durable else None,
+            "keep_last": keep_last, "memory": str(memory) if memory else None, "memory_keep_last": 2}
+    return ck.Committer.__new__(ck.Committer).commit(spec, *rank_files(step))
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as bucket_uri:
+        yield bucket_uri
+
+
+def test_s3_round_trip_commit_verify_reject_prune(s3, tmp_path):
+    uri = s3("run-a")
+    for step in (5, 10, 15, 20):
+        done = commit(step, uri, keep_last=2)
+        assert done["path"].startswith("s3://") and "endpoint_override" not in done["path"]
+    storage = Storage(uri)
+    # Retention: the newest two are left, in the bucket, complete.
+    assert ck.step_names(storage) == ["step_00000020", "step_00000015"]
+    info = ck.latest_complete(storage)
+    assert (info.step, info.world_size, info.load_tag, info.tier) == (20, 2, "native", "durable")
+    assert info.bytes == 3 * 4000
+    assert ck.corrupt_files_at(storage, info.name) == []
+    # Downloaded bytes are the bytes each rank saved.
+    storage.download(info.name, tmp_path / "dl", sorted(storage.sizes(info.name)))
+    assert (tmp_path / "dl/native/zero_pp_rank_1_mp_rank_00_optim_states.pt").read_bytes() == bytes([21]) * 4000
+    # Same size, flipped bytes: only the checksum tells; the Checkpointer sets it aside and falls back.
+    storage.write_bytes(f"{info.name}/native/mp_rank_00_model_states.pt", b"\0" * 4000)
+    rec = Rec()
+    assert ck.Checkpointer(uri, 0, 2, rec).latest().step == 15
+    assert [(t, f["step"], f["tier"]) for t, f in rec.events] == [("checkpoint_rejected", 20, "durable")]
+    assert storage.list_dirs() == ["rejected_step_00000020", "step_00000015"]
+
+
+def test_a_partial_upload_is_never_loaded(s3):
+    """A driver killed mid-upload leaves files without a manifest (or short files): invisible."""
+    uri = s3("run-b")
+    commit(5, uri)
+    storage = Storage(uri)
+    storage.write_bytes("step_00000010/native/mp_rank_00_model_states.pt", b"x" * 10)  # no manifest yet
+    assert ck.latest_complete(storage).step == 5
+    # A manifest whose files are not all there (e.g. a truncated file) is no better.
+    storage.write_bytes("step_00000010/manifest.json", json.dumps(
+        {"step": 10, "world_size": 2, "load_tag": "native", "files": {"native/mp_rank_00_model_states.pt": 4000}}).encode())
+    assert ck.verify_at(storage, "step_00000010") is None
+    assert ck.Checkpointer(uri, 0, 3, Rec()).latest().step == 5
+    # Retention never deletes the newest good one for a newer partial, nor the partial (it may
+    # still be being written).
+    assert ck.prune(storage, keep_last=1) == []
+
+
+def test_memory_tier_is_preferred_at_the_same_step_and_falls_back_across_tiers(tmp_path):
+    durable, memory = tmp_path / "durable", tmp_path / "mem"
+    commit(10, str(durable), memory)                    # a durable step: both tiers
+    commit(15, str(durable), memory, to_durable=False)  # a memory-only step
+    assert sorted(p.name for p in ck.step_dirs(durable)) == ["step_00000010"]
+    rec = Rec()
+    cp = ck.Checkpointer(durable, 0, 3, rec, memory=memory)
+    assert [(c.step, c.tier) for c in cp.candidates()] == [(15, "memory"), (10, "memory"), (10, "durable")]
+    assert (cp.latest().step, cp.latest().tier) == (15, "memory")
+    # Truncate the newest: it is incomplete, skipped without a word; corrupt the next: rejected.
+    (memory / "step_00000015/native/mp_rank_00_model_states.pt").write_bytes(b"short")
+    (memory / "step_00000010/native/mp_rank_00_model_states.pt").write_bytes(b"\1" * 4000)
+    info = cp.latest()
+    assert (info.step, info.tier) == (10, "durable")
+    assert [(t, f["step"], f["tier"]) for t, f in rec.events] == [("checkpoint_rejected", 10, "memory")]
+
+
+def test_memory_tier_keeps_its_own_last_k(tmp_path):
+    durable, memory = tmp_path / "durable", tmp_path / "mem"
+    for step in (2, 4, 6, 8):
+        commit(step, str(durable), memory, to_durable=step % 4 == 0)
+    assert [p.name for p in ck.step_dirs(memory)] == ["step_00000008", "step_00000006"]
+    assert [p.name for p in ck.step_dirs(durable)] == ["step_00000008", "step_00000004"]
+
+
+def test_prune_keeps_marked_checkpoints_and_the_protected_one(tmp_path):
+    for step in (5, 10, 15, 20):
+        commit(step, str(tmp_path), keep_last=10)
+    (ck.step_dir(tmp_path, 5) / ck.KEEP_MARKER).write_text("")
+    assert ck.verify(ck.step_dir(tmp_path, 5)).keep
+    removed = ck.prune(tmp_path, keep_last=1, protect=ck.step_dir(tmp_path, 10))
+    assert [p.name for p in removed] == ["step_00000015"]
+    assert [p.name for p in ck.step_dirs(tmp_path)] == ["step_00000020", "step_00000010", "step_00000005"]
+
+
+def test_load_order_is_newest_first_memory_before_durable():
+    infos = [ck.CheckpointInfo(s, f"/x/{t}/{s}", 2, "native", 1, tier=t) for s, t in
+             [(5, "durable"), (10, "durable"), (10, "memory"), (7, "memory")]]
+    assert [(c.step, c.tier) for c in ck.load_order(infos)] == [(10, "memory"), (10, "durable"), (7, "memory"),
+                                                               (5, "durable")]
+
+
+def test_memory_root_is_stable_per_checkpoint_path(tmp_path):
+    a = ck.memory_root(tmp_path, "s3://b/run1?endpoint_override=http://h:1")
+    assert a == ck.memory_root(tmp_path, "s3://b/run1?endpoint_override=http://h:2")  # same bucket path
+    assert a != ck.memory_root(tmp_path, "s3://b/run2") and a.parent == tmp_path
+
+
+BASE = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+        "global_batch_size": 8, "micro_batch_size": 4, "max_steps": 10}
+
+
+@pytest.mark.parametrize("checkpoint, message", [
+    ({"every_n_steps": 10, "fast_every_n_steps": 3}, "fast_every_n_steps (3) must divide every_n_steps (10)"),
+    ({"every_n_steps": 4, "fast_every_n_steps": 8}, "must divide"),
+    ({"path": "ftp://host/ckpt"}, "'ftp://' is not a pyarrow filesystem"),
+    ({"preemption_grace_s": 0}, "checkpoint.preemption_grace_s"),
+])
+def test_bad_checkpoint_fields_are_named(checkpoint, message):
+    with pytest.raises(ConfigError, match="checkpoint") as err:
+        JobConfig.from_dict({**BASE, "checkpoint": checkpoint})
+    assert message in str(err.value)
+
+
+def test_good_two_tier_spec():
+    cfg = JobConfig.from_dict({**BASE, "checkpoint": {"path": "s3://bucket/run", "every_n_steps": 10,
+                                                      "fast_every_n_steps": 2}})
+    assert cfg.checkpoint.interval == 2

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +20,30 @@ def resolve_run_dir(config: JobConfig) -> Path:
     if config.run_dir:
         return Path(config.run_dir)
     return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@contextlib.contextmanager
+def preemption_signals(controller: Controller):
+    """While the run goes on, SIGTERM (a spot reclaim, `ray job stop`, a scheduler's notice)
+    asks it to checkpoint and exit cleanly within checkpoint.preemption_grace_s; past the grace
+    period the process exits anyway (its last checkpoint is complete: they are atomic).
+    Signals can only be caught in the main thread; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        controller.request_preemption(signal.Signals(signum).name)
+        grace = controller.cfg.checkpoint.preemption_grace_s
+        timer = threading.Timer(grace, lambda: os._exit(128 + signum))  # the platform's SIGKILL is near
+        timer.daemon = True
+        timer.start()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None, dataset=None) -> Result:
@@ -65,7 +92,9 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
             started_ray = True
         if dataset is not None:  # a Ray dataset is checked once Ray is up, before any actor starts
             config, stream = prepare_dataset(config, dataset)
-        return Controller(config, recorder, local or local_cluster, stream, dataset).run()
+        controller = Controller(config, recorder, local or local_cluster, stream, dataset)
+        with preemption_signals(controller):
+            return controller.run()
     finally:
         recorder.close()
         if started_ray:

@@ -262,6 +262,31 @@ def prune(root: str | os.PathLike | Storage, keep_last: int, protect: str | os.P
     return removed
 
 
+def describe(root: str | os.PathLike | Storage, tier: str = "durable", check_crc: bool = False) -> list[dict]:
+    """One row per step directory (and set-aside one) under `root`, newest first: step, world
+    size, tier, bytes, and status: verified (manifest, sizes and, with `check_crc`, checksums
+    hold), incomplete (no manifest or a file missing or short: never loaded), corrupt (a
+    checksum differs) or rejected (set aside by a run)."""
+    storage = _as_storage(root)
+    rows = []
+    names = sorted((n for n in storage.list_dirs() if n.startswith(("step_", "rejected_step_"))),
+                   key=lambda n: (int(n.rsplit("_", 1)[-1]), n), reverse=True)
+    for name in names:
+        info = verify_at(storage, name, tier)
+        row = {"step": int(name.rsplit("_", 1)[-1]), "tier": tier, "path": storage.uri(name), "world_size": None,
+               "bytes": sum(storage.sizes(name).values()), "keep": False}
+        if info is not None:
+            row.update(world_size=info.world_size, bytes=info.bytes, keep=info.keep)
+        if name.startswith("rejected_"):
+            row["status"] = "rejected"
+        elif info is None:
+            row["status"] = "incomplete"
+        else:
+            row["status"] = "corrupt" if check_crc and corrupt_files_at(storage, name) else "verified"
+        rows.append(row)
+    return rows
+
+
 class Checkpointer:
     """Owns the checkpoint tiers: collective save, background commit, choice of what to load.
 
@@ -281,6 +306,8 @@ class Checkpointer:
         self.zero_stage, self.keep_last, self.memory_keep_last, self.rec = zero_stage, keep_last, memory_keep_last, recorder
         self._inflight = None  # (ref, step, tier, unix start time, blocking_s)
         self.last_saved_step: int | None = None
+        self.last_saved_durable = False
+        self._last_committed: CheckpointInfo | None = None
 
     @property
     def root(self) -> str:
@@ -303,7 +330,7 @@ class Checkpointer:
                 "memory_keep_last": self.memory_keep_last}
         ref = group.commit(spec, [v["dir"] for v in values])
         self._inflight = (ref, step, "durable" if durable else "memory", t0, blocking)
-        self.last_saved_step = step
+        self.last_saved_step, self.last_saved_durable = step, durable
         return outcomes
 
     def poll(self) -> None:
@@ -326,10 +353,17 @@ class Checkpointer:
             self.last_saved_step = None
             return
         # total_s ends when the committer wrote the last manifest, not when the driver looked.
+        self._last_committed = CheckpointInfo(step, done["path"], done["world_size"], "", done["bytes"],
+                                              done["committed_ts"], tier)
         extra = {"memory_s": done["memory_ts"] - t0} if done["memory_ts"] is not None else {}
         self.rec.event("checkpoint_saved", step=step, path=done["path"], tier=tier, blocking_s=blocking,
                        total_s=done["committed_ts"] - t0, bytes=done["bytes"], world_size=done["world_size"],
                        **extra)
+
+    def latest_known(self) -> CheckpointInfo | None:
+        """The last checkpoint this run committed (no reading of storage: for a quick exit)."""
+        self.wait()
+        return self._last_committed
 
     def candidates(self) -> list[CheckpointInfo]:
         found = complete(self.storage)

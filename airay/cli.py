@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     plot = sub.add_parser("plot", help="PNG of a run: loss, world size, throughput, faults, goodput")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="PNG path (default RUN_DIR/run.png)")
+    cks = sub.add_parser("checkpoints", help="list a run's checkpoints: step, world size, tier, size, verified")
+    cks.add_argument("location", help="a run directory, or a checkpoint path or URI (s3://bucket/prefix, ...)")
+    cks.add_argument("--crc", action="store_true", help="also read every file and check its CRC-32")
+    cks.add_argument("--keep", type=int, metavar="STEP", help="mark the checkpoint of STEP to keep (never pruned)")
+    cks.add_argument("--json", action="store_true", help="print the rows as JSON")
     sim = sub.add_parser("simulate", help="simulate weeks of training on a large fleet: goodput per policy")
     sim.add_argument("--gpus", default="1024,4096,16384", help="comma-separated fleet sizes")
     sim.add_argument("--gpus-per-node", type=int, default=8)
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "checkpoints":
+        return _checkpoints(args)
     if args.command in ("submit", "status", "logs"):
         return _jobs(args)
     if args.command == "plot":
@@ -95,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
 
         result = fit(config)
         print(json.dumps(result.__dict__, indent=2, default=str) if args.json else _summary(result))
-        return 0 if result.status == "finished" else 1
+        if result.status == "preempted":
+            print("airay: preempted; run the same command again to resume from the checkpoint above")
+        # A preempted run exits cleanly (0): it stopped as asked and left a checkpoint to resume.
+        return 0 if result.status in ("finished", "preempted") else 1
     return 2
 
 
@@ -136,6 +146,59 @@ def _jobs(args) -> int:
         # Ray's Job API reports an unreachable dashboard or an unknown job id this way.
         print(f"airay: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def checkpoint_tiers(location: str) -> list[tuple[str, str]]:
+    """[(tier, location)] to list for `airay checkpoints LOCATION`: a run directory's durable
+    checkpoint path (from its config.yaml) and, when it has one, its memory tier on this node;
+    anything else is taken as a checkpoint path."""
+    from pathlib import Path
+
+    import yaml
+
+    from airay.checkpoint import memory_root
+
+    config = Path(location) / "config.yaml"
+    if "://" in location or not config.is_file():
+        return [("durable", location)]
+    ck = (yaml.safe_load(config.read_text()) or {}).get("checkpoint") or {}
+    durable = ck.get("path") or str(Path(location) / "checkpoints")
+    tiers = [("durable", durable)]
+    if ck.get("fast_every_n_steps"):
+        tiers.insert(0, ("memory", str(memory_root(ck.get("memory_path"), durable))))
+    return tiers
+
+
+def _checkpoints(args) -> int:
+    from airay import checkpoint as ck
+    from airay.storage import Storage
+
+    rows = []
+    try:
+        for tier, where in checkpoint_tiers(args.location):
+            storage = Storage(where)
+            if args.keep is not None and tier == "durable":
+                if ck.verify_at(storage, ck.step_name(args.keep)) is None:
+                    print(f"airay: no complete checkpoint of step {args.keep} in {storage.uri()}", file=sys.stderr)
+                    return 2
+                storage.write_bytes(f"{ck.step_name(args.keep)}/{ck.KEEP_MARKER}", b"")
+            rows += ck.describe(storage, tier, args.crc)
+    except (OSError, ValueError) as exc:
+        print(f"airay: cannot read checkpoints at {args.location}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"airay: no checkpoints at {args.location}")
+        return 0
+    print(f"{'step':>8} {'world':>5} {'tier':>7} {'size':>10} {'status':>10}  path")
+    for r in rows:
+        size = f"{r['bytes'] / 2**20:.1f} MiB"
+        world = r["world_size"] if r["world_size"] is not None else "-"
+        status = r["status"] + (" keep" if r["keep"] else "")
+        print(f"{r['step']:>8} {world:>5} {r['tier']:>7} {size:>10} {status:>10}  {r['path']}")
+    return 0
 
 
 def _simulate(args) -> int:

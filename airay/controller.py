@@ -19,7 +19,7 @@ from airay.checkpoint import CheckpointInfo, Checkpointer, memory_root
 from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.feeder import DataLog, Feeder, Stream
-from airay.health import Failure, RoundVerdict, classify_round, find_stragglers, summarize_failures
+from airay.health import Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
 from airay.telemetry import Telemetry, eta_s, progress_line
@@ -41,6 +41,7 @@ class State(enum.Enum):
     RUNNING = "running"
     RECOVERING = "recovering"
     GROWING = "growing"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
     FAILED = "failed"
 
@@ -110,6 +111,15 @@ class Controller:
         self.t_start = time.time()
         self.telemetry = Telemetry(config.name, recorder.run_dir)
         self._last_round_end: float | None = None  # for the ETA: the pace of the last round
+        self.preempt_deadline: float | None = None  # set by SIGTERM (request_preemption)
+
+    def request_preemption(self, signal_name: str = "SIGTERM") -> None:
+        """The driver is told to go (a spot reclaim): checkpoint at the end of the round in
+        flight and exit cleanly within checkpoint.preemption_grace_s. Safe from a signal handler:
+        it only sets the deadline that the loop reads between rounds."""
+        if self.preempt_deadline is None:
+            self.preempt_deadline = time.time() + self.cfg.checkpoint.preemption_grace_s
+            self.preempt_signal = signal_name
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -119,7 +129,7 @@ class Controller:
                                       global_batch_size=self.cfg.global_batch_size)["ts"]
         error = None
         try:
-            while self.state not in (State.FINISHED, State.FAILED):
+            while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):
                 self.state = {State.STARTING: self._starting, State.RUNNING: self._running,
                               State.RECOVERING: self._recovering, State.GROWING: self._growing}[self.state]()
         except Exception as exc:  # every failure ends as a recorded run_failed, never a leak
@@ -174,6 +184,8 @@ class Controller:
     def _running(self) -> State:
         if self.step >= self.cfg.max_steps:
             return self._finish()
+        if self.preempt_deadline is not None:
+            return self._preempt()
         self.ckpt.poll()
         if self.step % self.cfg.timeouts.grow_check_every_n_steps == 0 and self._can_grow():
             return State.GROWING
@@ -195,7 +207,26 @@ class Controller:
         if self.step % self.cfg.checkpoint.interval == 0 or self.step == self.cfg.max_steps:
             if not self._checkpoint():
                 return State.RECOVERING
+        preempted = [rank for rank, v in enumerate(values) if v and v[-1].get("preempted")]
+        if preempted:
+            return self._release_preempted(preempted)
         return State.RUNNING
+
+    def _release_preempted(self, ranks: list[int]) -> State:
+        """Ranks got SIGTERM (their node is being reclaimed): checkpoint this step (memory tier
+        if there is one: it lives on the driver's node), then let them go like lost ranks, so
+        the world shrinks and resumes at this very step: no step is lost."""
+        if self.ckpt.last_saved_step != self.step and not self._checkpoint(durable=False):
+            return State.RECOVERING
+        self.ckpt.wait()
+        for rank in ranks:
+            self.rec.event("worker_preempted", step=self.step, rank=rank, node_id=self.group.member(rank).node_id,
+                           checkpoint_step=self.ckpt.last_saved_step)
+        outcomes = tuple(RankOutcome(r, "died", error="preempted (SIGTERM)", cause="Preempted") if r in ranks
+                         else RankOutcome(r, "ok") for r in range(len(self.group.active)))
+        self.verdict = RoundVerdict("lost", tuple(ranks), outcomes=outcomes)
+        self.t_detect, self.detection_s = time.time(), None
+        return State.RECOVERING
 
     def _recovering(self) -> State:
         """Drop lost ranks, shrink to the survivors (or wait for min_workers), reload, go on."""
@@ -274,6 +305,21 @@ class Controller:
         parts = {"checkpoint_s": time.time() - t0}
         return State.RUNNING if self._form(new, ckpt, t0=t0, old=old, reason="grow", parts=parts) \
             else State.RECOVERING
+
+    def _preempt(self) -> State:
+        """Emergency checkpoint of this step to durable storage, then a clean exit; re-running the
+        job resumes from it."""
+        t0 = time.time()
+        self.rec.event("preemption_requested", step=self.step, signal=self.preempt_signal,
+                       grace_s=self.cfg.checkpoint.preemption_grace_s)
+        saved = self.ckpt.last_saved_step == self.step and self.ckpt.last_saved_durable
+        if not saved and not self._checkpoint(durable=True):
+            return State.RECOVERING  # a rank was lost meanwhile: recover, then checkpoint again
+        self.ckpt.wait()
+        ckpt = self.ckpt.latest_known()
+        self.rec.event("preempted", step=self.step, checkpoint_step=ckpt.step if ckpt else None,
+                       checkpoint_s=time.time() - t0, within_grace=time.time() <= self.preempt_deadline)
+        return State.PREEMPTED
 
     def _finish(self) -> State:
         if self.ckpt.last_saved_step != self.step:
@@ -460,15 +506,18 @@ class Controller:
         end = time.time()
         wall = end - self.t_start
         ok = self.state == State.FINISHED
-        final = self.ckpt.latest() if ok else None
+        final = self.ckpt.latest() if ok else self.ckpt.latest_known() if self.state == State.PREEMPTED else None
         run_dir = self.rec.run_dir
         g = goodput.compute(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), end_ts=end)
-        result = Result(status="finished" if ok else "failed", final_step=self.step,
+        status = "finished" if ok else "preempted" if self.state == State.PREEMPTED else "failed"
+        result = Result(status=status, final_step=self.step,
                         final_loss=self.losses.get(self.step - 1), restarts=self.restarts,
                         world_sizes=self.world_sizes, goodput=g.goodput,
                         wall_s=wall, run_dir=str(run_dir), checkpoint=str(final.path) if final else None,
                         error=error, resizes=self.resizes, time_lost_s={k: round(v, 4) for k, v in g.lost_s.items()})
-        if ok:
+        if status == "preempted":
+            pass  # the `preempted` event says it; the run is not over
+        elif ok:
             self.rec.event("run_finished", step=self.step, final_loss=result.final_loss, restarts=self.restarts,
                            goodput=result.goodput, wall_s=wall, time_lost_s=result.time_lost_s)
         else:

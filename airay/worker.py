@@ -140,12 +140,25 @@ class TrainWorker:
         self._progress: dict[str, Any] = {"step": -1, "micro": -1, "phase": "start"}
         torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
         commtime.install()  # before DeepSpeed binds the collectives (see airay.commtime)
+        self._preempted_at: float | None = None
+        self.preemption_handled = _catch_sigterm(self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """A spot reclaim: finish the round (a rank cannot leave its peers mid-collective), report
+        it, and the driver checkpoints and lets this rank go; exit anyway after the grace period."""
+        import threading
+
+        if self._preempted_at is None:
+            self._preempted_at = time.time()
+            timer = threading.Timer(self.config.checkpoint.preemption_grace_s, lambda: os._exit(128 + signum))
+            timer.daemon = True
+            timer.start()
 
     # ---- introspection -----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "ip": self.ip, "pid": os.getpid(), "device": self.device,
-                "gpu_ids": self.gpu_ids, "backend": self.backend}
+                "gpu_ids": self.gpu_ids, "backend": self.backend, "sigterm_handled": self.preemption_handled}
 
     def free_port(self) -> int:
         return free_port()
@@ -329,6 +342,8 @@ class TrainWorker:
             shutdown_sockets(self._world_sockets)
             self.leave()
             raise
+        if self._preempted_at is not None and out:
+            out[-1]["preempted"] = True
         return out
 
     def _at(self, step: int, micro: int, phase: str) -> None:
@@ -377,6 +392,18 @@ class TrainWorker:
             if _is_comm_error(exc) or isinstance(exc, MemoryError):
                 raise
             raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
+
+
+def _catch_sigterm(handler) -> bool:
+    """Route SIGTERM to `handler` instead of Ray's (which exits at once). Only the main thread
+    can set signal handlers; elsewhere a SIGTERM stays a plain exit (a worker loss)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGTERM, handler)
+    return True
 
 
 def token_count(batch: dict[str, Any]) -> int:

@@ -147,3 +147,41 @@ def test_good_two_tier_spec():
     cfg = JobConfig.from_dict({**BASE, "checkpoint": {"path": "s3://bucket/run", "every_n_steps": 10,
                                                       "fast_every_n_steps": 2}})
     assert cfg.checkpoint.interval == 2
+
+
+def test_cli_lists_both_tiers_with_status_and_marks_keep(tmp_path, capsys):
+    from airay.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    memory = tmp_path / "mem"
+    (run / "config.yaml").write_text(f"checkpoint:\n  fast_every_n_steps: 5\n  memory_path: {memory}\n")
+    durable = run / "checkpoints"
+    mem = ck.memory_root(memory, str(durable))
+    commit(10, str(durable), mem)
+    commit(15, str(durable), mem, to_durable=False)
+    commit(20, str(durable), mem)
+    (durable / "step_00000020/native/mp_rank_00_model_states.pt").write_bytes(b"\1" * 4000)  # corrupt
+    (durable / "step_00000025/native").mkdir(parents=True)  # a save in progress
+    assert main(["checkpoints", str(run), "--crc", "--keep", "10", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["tier"], r["step"], r["status"], r["world_size"], r["keep"]) for r in rows] == [
+        ("memory", 20, "verified", 2, False), ("memory", 15, "verified", 2, False),
+        ("durable", 25, "incomplete", None, False), ("durable", 20, "corrupt", 2, False),
+        ("durable", 10, "verified", 2, True)]
+    assert rows[0]["bytes"] == 3 * 4000
+    assert main(["checkpoints", str(durable)]) == 0
+    out = capsys.readouterr().out
+    assert "incomplete" in out and "verified keep" in out and "memory" not in out
+    assert main(["checkpoints", str(run), "--keep", "15"]) == 2  # not a durable checkpoint
+
+
+def test_cli_lists_an_s3_prefix(s3, capsys):
+    from airay.cli import main
+
+    uri = s3("run-cli")
+    commit(5, uri)
+    assert main(["checkpoints", uri, "--crc", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["step"], row["status"], row["tier"]) == (5, "verified", "durable")
+    assert row["path"].startswith("s3://") and "endpoint" not in row["path"]

@@ -406,6 +406,23 @@ def write_files(root: str | os.PathLike, files: dict[str, bytes]) -> None:
         (root / rel).write_bytes(data)
 
 
+def fetch_for_load(path: str, tag: str, source: str = "path", files: dict[str, bytes] | None = None,
+                   root: str | None = None, name: str | None = None) -> tuple[str, Path | None]:
+    """Make `tag` of a checkpoint readable on this node: (directory to load from, a scratch
+    directory to delete afterwards or None). source: path (read in place), memory (`files`
+    served by the committer), storage (download `name` from `root`)."""
+    if source == "path":
+        return path, None
+    local = scratch_root() / "load"
+    shutil.rmtree(local, ignore_errors=True)
+    if source == "memory":
+        write_files(local, files)
+    else:
+        storage = Storage(root)
+        storage.download(name, local, [f"{tag}/{rel}" for rel in storage.sizes(f"{name}/{tag}")])
+    return str(local), local
+
+
 class Committer:
     """Ray actor body, on the driver's node: assembles, reshards and commits checkpoints off the
     training processes, holds the memory tier, and serves it to loading ranks."""

@@ -293,22 +293,10 @@ class TrainWorker:
         (`files`, from the committer's memory tier), storage (download `name` from `root`)."""
         import shutil
 
-        from airay.checkpoint import scratch_root, write_files
-        from airay.storage import Storage
+        from airay.checkpoint import fetch_for_load
 
         t0 = time.perf_counter()
-        local = None
-        if source == "memory":
-            local = scratch_root() / "load"
-            shutil.rmtree(local, ignore_errors=True)
-            write_files(local, files)
-            path = str(local)
-        elif source == "storage":
-            local = scratch_root() / "load"
-            shutil.rmtree(local, ignore_errors=True)
-            storage = Storage(root)
-            storage.download(name, local, [f"{tag}/{rel}" for rel in storage.sizes(f"{name}/{tag}")])
-            path = str(local)
+        path, local = fetch_for_load(path, tag, source, files, root, name)
         t_fetch = time.perf_counter()
         try:
             load_path, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,

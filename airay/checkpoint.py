@@ -71,6 +71,19 @@ def scratch_root() -> Path:
     return Path(base) / f"airay-{os.getpid()}"
 
 
+def remove_stale_scratch() -> list[Path]:
+    """Delete scratch directories of processes that no longer exist (a worker killed between
+    its save and the hand-off leaves its files in node memory)."""
+    base = scratch_root().parent
+    removed = []
+    for d in base.glob("airay-*"):
+        pid = d.name.removeprefix("airay-")
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     step: int

@@ -142,6 +142,9 @@ class TrainWorker:
         commtime.install()  # before DeepSpeed binds the collectives (see airay.commtime)
         self._preempted_at: float | None = None
         self.preemption_handled = _catch_sigterm(self._on_sigterm)
+        from airay.checkpoint import remove_stale_scratch
+
+        remove_stale_scratch()
 
     def _on_sigterm(self, signum, frame) -> None:
         """A spot reclaim: finish the round (a rank cannot leave its peers mid-collective), report

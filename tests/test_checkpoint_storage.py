@@ -2,6 +2,7 @@
 DeepSpeed save: the committer's logic runs in this process on rank files made here)."""
 
 import json
+import os
 
 import pytest
 
@@ -185,3 +186,16 @@ def test_cli_lists_an_s3_prefix(s3, capsys):
     (row,) = json.loads(capsys.readouterr().out)
     assert (row["step"], row["status"], row["tier"]) == (5, "verified", "durable")
     assert row["path"].startswith("s3://") and "endpoint" not in row["path"]
+
+
+def test_stale_scratch_of_dead_processes_is_removed(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(ck, "scratch_root", lambda: tmp_path / "airay-1")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f"airay-{dead}/stage").mkdir(parents=True)
+    (tmp_path / f"airay-{os.getpid()}/stage").mkdir(parents=True)  # alive: kept
+    assert [p.name for p in ck.remove_stale_scratch()] == [f"airay-{dead}"]
+    assert (tmp_path / f"airay-{os.getpid()}").is_dir()

@@ -355,6 +355,7 @@ class Controller:
         self.world_sizes.append(size)
         self.stragglers = set()
         self.ckpt.last_saved_step = ckpt.step if ckpt else None
+        self.ckpt.last_saved_durable = bool(ckpt and ckpt.tier == "durable")
         if t0 is not None:
             self.pending_resize = _PendingResize(t0, old, size, reason, self.step, {
                 **(parts or {}), "reform_s": t_load - t_form, "reload_s": time.time() - t_load, **timings})

@@ -36,7 +36,7 @@ RTOL = 1e-4
 def spec_dict(run_dir, max_steps, checkpoint=None, chaos=()):
     return {
         "name": "tiers",
-        "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.03}},
+        "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.01}},
         "loss_fn": "airay.models.tiny_gpt:loss",
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
                       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 8}},

@@ -315,9 +315,8 @@ class Controller:
         saved = self.ckpt.last_saved_step == self.step and self.ckpt.last_saved_durable
         if not saved and not self._checkpoint(durable=True):
             return State.RECOVERING  # a rank was lost meanwhile: recover, then checkpoint again
-        self.ckpt.wait()
-        ckpt = self.ckpt.latest_known()
-        self.rec.event("preempted", step=self.step, checkpoint_step=ckpt.step if ckpt else None,
+        self.ckpt.wait()  # the commit's outcome: last_saved_step is None if it failed
+        self.rec.event("preempted", step=self.step, checkpoint_step=self.ckpt.last_saved_step,
                        checkpoint_s=time.time() - t0, within_grace=time.time() <= self.preempt_deadline)
         return State.PREEMPTED
 

@@ -1,6 +1,5 @@
 """Benchmarks run in reduced mode so they cannot rot; their numbers live in README/BENCHMARKS."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,18 +8,6 @@ import pytest
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_recovery_benchmark_reduced(tmp_path):
-    out = tmp_path / "rec.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "recovery.py"), "--repeats", "1",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "cold / warm recovery ratio" in proc.stdout
-    numbers = json.loads(out.read_text())
-    med = numbers["median"]
-    assert 0 < med["detection_s"] <= med["recovery_s"] < numbers["cold_median_s"]
-    assert med["reform_s"] > 0 and med["reload_s"] > 0
 
 
 def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
@@ -35,6 +22,13 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     # Every table row carries a number, and each section names the command that produced it.
     assert text.count("`python benchmarks/") == 4 and "`airay simulate --gpus 1024" in text
     assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text
+    # Warm recovery's parts are measured and add up to less than a cold start of the same checkpoint.
+    cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    parts = {k: float(cells[k][1]) for k in ("detection_s", "drain_s", "reform_s", "reload_s", "recovery_s")}
+    assert all(v > 0 for v in parts.values()), parts
+    assert parts["detection_s"] <= parts["recovery_s"]
+    cold = next(float(c[1]) for k, c in cells.items() if k.startswith("cold start"))
+    assert parts["recovery_s"] < cold
     # Both sides of the Ray Train comparison trained the same samples to the same loss.
     row = {line.split(" | ")[1]: line.split(" | ") for line in text.splitlines() if line.startswith("| worker | ")}
     assert set(row) == {"airay", "Ray Train"}

@@ -51,7 +51,9 @@ def faulty_run(tmp_path_factory):
         deadline = time.time() + 60  # Ray reports metrics every few seconds
         while time.time() < deadline:
             exported = {m: scrape(port, f"ray_airay_{m}", "telemetry") for m in ("loss", "world_size", "step")}
-            if exported["step"] == last["step"]:
+            # Ray exports each gauge on its own schedule: wait until all of them show the last step.
+            if (exported["step"] == last["step"] and exported["world_size"] == last["world_size"]
+                    and exported["loss"] is not None and abs(exported["loss"] - last["loss"]) <= 1e-6 * abs(last["loss"])):
                 break
             time.sleep(1)
         assert_released()

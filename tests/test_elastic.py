@@ -94,8 +94,11 @@ def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, local_clus
 
 def test_node_loss_then_node_added(tmp_path, local_cluster, baselines):
     lc = local_cluster(nodes=4)
+    # Slower steps (the sleep does not change the math: losses still equal the baseline's) leave
+    # the replacement on the new node, a cold process, time to start and warm up before step 60.
+    slow = {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.16}}
     result = fit(spec(tmp_path, "node", 2, chaos=[{"fault": "remove_node", "at_step": 7, "rank": 2},
-                                                   {"fault": "add_node", "at_step": 12}]),
+                                                   {"fault": "add_node", "at_step": 12}], model=slow),
                  echo=False, local_cluster=lc)
     assert result.status == "finished" and result.world_sizes == [4, 3, 4]
     lost = events(result, "node_lost")

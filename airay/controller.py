@@ -98,6 +98,7 @@ class Controller:
         self.resizes: list[dict[str, Any]] = []
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
+        self.kept_step_s = 0.0  # sum of step_times, kept as it changes (read every step)
         self.fired: set[int] = set()  # indices of chaos faults already injected
         self.failures: list[Failure] = []  # every failure, for the budget and the summary
         self.incidents: list[float] = []  # when each recovery began (the budget's sliding window)
@@ -480,6 +481,7 @@ class Controller:
             step_time = slowest["step_time_s"]
             tokens = sum(r.get("tokens", 0) for r in per_rank)
             self.losses[step] = loss
+            self.kept_step_s += step_time - self.step_times.get(step, 0.0)  # a replayed step replaces its time
             self.step_times[step] = step_time
             metric = dict(step=step, loss=loss, world_size=world, global_batch_size=gbs,
                           samples_per_s=gbs / step_time if step_time > 0 else 0.0, step_time_s=step_time,
@@ -487,7 +489,7 @@ class Controller:
                           comm_s=slowest.get("comm_s"),
                           tokens_per_s=tokens / step_time if tokens and step_time > 0 else None, ts=now)
             self.rec.metric(**metric)
-            self.telemetry.step(metric, self.restarts, sum(self.step_times.values()) / max(1e-9, now - self.t_start))
+            self.telemetry.step(metric, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
         self.data_log.record(start, values)
         if self.pending_resize is not None:
             p = self.pending_resize

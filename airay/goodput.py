@@ -12,6 +12,9 @@ older checkpoint and done again ("replayed_steps"). The rest of the wall time is
   taken inside the window is counted under checkpoint_blocking, not twice.
 - replayed_steps: earlier executions of steps that were executed again after a rollback.
 - checkpoint_blocking: the time training was blocked by checkpoint saves (`blocking_s`).
+- A run directory resumed by a later run of the same job holds several runs (one run_started
+  each); wall time is the sum of their spans: the time between them, when no run of the job was
+  going, is not lost time. Each run's start-up counts as startup.
 - other: the remainder — the driver's bookkeeping between rounds, waiting for the final
   checkpoint to commit, and rounding. It makes the causes add up to the wall time exactly.
 
@@ -52,13 +55,10 @@ def kept_records(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts: float | None = None) -> Goodput:
     """Goodput and lost time per cause. `end_ts`: the end of the run (default: its
     run_finished/run_failed event, else the last record seen — a run still going)."""
-    started = next((e["ts"] for e in events if e["type"] == "run_started"), None)
-    if started is None:
+    spans = run_spans(events, metrics, end_ts)
+    if not spans:
         return Goodput(0.0, 0.0, 0.0, {c: 0.0 for c in CAUSES})
-    if end_ts is None:
-        ends = [e["ts"] for e in events if e["type"] in ("run_finished", "run_failed")]
-        end_ts = ends[-1] if ends else max([started] + [e["ts"] for e in events] + [m["ts"] for m in metrics])
-    wall = max(0.0, end_ts - started)
+    wall = sum(end - start for start, end in spans)
 
     kept = kept_records(metrics)
     kept_s = sum(m["step_time_s"] for m in kept.values())
@@ -83,8 +83,10 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
         # The step the world was at when this resize began (its last resize_started).
         at_step = next((e.get("step") for e in reversed(starts) if e["ts"] <= r["ts"]), None)
         windows.append((t0, t1, r, at_step))
-    first_progress = min(formed + [w[0] for w in windows]) if formed else end_ts
-    startup = max(0.0, first_progress - started)
+    startup = 0.0
+    for start, end in spans:
+        progress = [t for t in formed + [w[0] for w in windows] if start <= t <= end]
+        startup += max(0.0, (min(progress) if progress else end) - start)
 
     saves = [e for e in events if e["type"] == "checkpoint_saved"]
     blocking = sum(e.get("blocking_s", 0.0) for e in saves)
@@ -102,6 +104,26 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
     lost["other"] = max(0.0, wall - kept_s - sum(lost.values()))
     return Goodput(wall_s=wall, kept_step_s=kept_s, goodput=kept_s / wall if wall > 0 else 0.0,
                    lost_s={c: lost[c] for c in CAUSES}, kept_steps=len(kept), replayed_steps=replayed)
+
+
+def run_spans(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
+              end_ts: float | None = None) -> list[tuple[float, float]]:
+    """(start, end) of each run recorded in a run directory, in order. A run ends at its
+    run_finished/run_failed event; one killed without either ends at its last record before the
+    next run started. `end_ts` ends the last run (one still going)."""
+    starts = [e["ts"] for e in events if e["type"] == "run_started"]
+    records = [e["ts"] for e in events] + [m["ts"] for m in metrics]
+    ends = [e["ts"] for e in events if e["type"] in ("run_finished", "run_failed")]
+    spans = []
+    for i, start in enumerate(starts):
+        nxt = starts[i + 1] if i + 1 < len(starts) else float("inf")
+        if nxt == float("inf") and end_ts is not None:
+            end = end_ts
+        else:
+            mine = [t for t in ends if start <= t < nxt]
+            end = mine[-1] if mine else max([start] + [t for t in records if start <= t < nxt])
+        spans.append((start, max(start, end)))
+    return spans
 
 
 def of_run(run_dir: str | os.PathLike, live: bool = False) -> Goodput:

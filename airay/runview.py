@@ -45,9 +45,11 @@ def load(run_dir: str | os.PathLike) -> RunView:
     events = read_jsonl(run_dir / "events.jsonl")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
-    ends = [e for e in events if e["type"] in ("run_finished", "run_failed")]
-    status = "running" if not ends else ("finished" if ends[-1]["type"] == "run_finished" else "failed")
     started = next((e["ts"] for e in events if e["type"] == "run_started"), events[0]["ts"] if events else 0.0)
+    # A resumed run directory: the status is the latest run's (an end before it was an earlier run's).
+    latest = max([e["ts"] for e in events if e["type"] == "run_started"], default=started)
+    ends = [e for e in events if e["type"] in ("run_finished", "run_failed") and e["ts"] >= latest]
+    status = "running" if not ends else ("finished" if ends[-1]["type"] == "run_finished" else "failed")
     error = ends[-1].get("error") if ends and status == "failed" else None
     result_file = run_dir / "result.json"
     if error is None and status == "failed" and result_file.is_file():

@@ -76,3 +76,39 @@ def test_step_end_times_within_a_round():
     # two rounds: steps 0-2 recorded at 10 (1, 2, 3 s each), steps 3-4 recorded at 20
     ms = [m(0, 10, 1), m(1, 10, 2), m(2, 10, 3), m(3, 20, 1), m(4, 20, 1)]
     assert step_end_times(ms) == [5, 7, 10, 19, 20]
+
+
+def test_the_gap_between_runs_of_a_resumed_run_directory_is_not_lost_time():
+    """A first run killed at 122 (no run_finished), resumed by a second run an hour later that
+    starts at 3700, forms its world at 3705, runs steps 5-9 and finishes at 3711: wall is the
+    two runs' spans, not the hour between them."""
+    events, metrics = timeline()
+    first = [e for e in events if e["ts"] <= 121.0]
+    second = [{"ts": 3700.0, "type": "run_started"},
+              {"ts": 3705.0, "type": "world_formed", "step": 5},
+              {"ts": 3711.0, "type": "run_finished", "step": 10}]
+    ran_first = [x for x in metrics if x["ts"] <= 121.0] + [m(4, 122)]
+    ran_second = [m(s, 3710) for s in range(5, 10)]
+    assert goodput.run_spans(first + second, ran_first + ran_second) == [(100.0, 122.0), (3700.0, 3711.0)]
+    g = goodput.compute(first + second, ran_first + ran_second)
+    assert g.wall_s == pytest.approx(22.0 + 11.0)
+    assert g.lost_s["startup"] == pytest.approx(10.0 + 5.0)  # each run's start until its first world
+    assert g.lost_s["other"] == pytest.approx(1.0)  # 33 - kept 10 - startup 15 - recovery 4.5 - replayed 2 - 0.5
+    # Still going: the second run ends now.
+    assert goodput.compute(first + second[:2], ran_first, end_ts=3720.0).wall_s == pytest.approx(22.0 + 20.0)
+
+
+def test_status_of_a_resumed_run_directory_is_the_latest_runs(tmp_path):
+    import json
+    import time
+
+    from airay import runview
+
+    events, metrics = timeline()
+    events = events + [{"ts": 3700.0, "type": "run_started"}, {"ts": 3705.0, "type": "world_formed", "step": 10}]
+    shift = time.time() - 3710.0  # the second run started 10 s ago and is still going
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps({**e, "ts": e["ts"] + shift}) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({**x, "ts": x["ts"] + shift}) + "\n" for x in metrics))
+    view = runview.load(tmp_path)
+    assert view.status == "running"
+    assert 40.0 <= view.goodput.wall_s < 60.0  # the first run's 30 s and the second's 10 s so far, not the hour

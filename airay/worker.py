@@ -141,6 +141,9 @@ class TrainWorker:
         torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
         commtime.install()  # before DeepSpeed binds the collectives (see airay.commtime)
         self._preempted_at: float | None = None
+        from airay.snapshot import Writer
+
+        self._ckpt_writer = Writer()  # writes checkpoint files off the step loop (airay.snapshot)
         self.preemption_handled = _catch_sigterm(self._on_sigterm)
         from airay.checkpoint import remove_stale_scratch
 
@@ -208,6 +211,9 @@ class TrainWorker:
         cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", load_universal)
         self.engine, *_ = deepspeed.initialize(model=model.to(self.device), model_parameters=model.parameters(),
                                                config=cfg, dist_init_required=False)
+        from airay import snapshot
+
+        snapshot.install(self.engine, self._ckpt_writer)
         dist.barrier()
         # The TCP sockets that appeared while joining are this world's (store and gloo pairs).
         self._world_sockets = {fd: ino for fd, ino in tcp_socket_fds().items() if sockets_before.get(fd) != ino}
@@ -261,12 +267,16 @@ class TrainWorker:
     def save(self, step: int, data_position: dict[str, Any] | None = None) -> dict[str, Any]:
         """Save this rank's part of `step` into its node's memory; `collect` hands it on. Each rank
         saves into its own directory (DeepSpeed's file names carry the rank, so the union of
-        the ranks' directories is the whole checkpoint), so ranks sharing a node never clash."""
+        the ranks' directories is the whole checkpoint), so ranks sharing a node never clash.
+        Returns once the state is copied to host memory; the files are written in the background
+        (airay.snapshot) and complete when `collect` reads them."""
         import shutil
 
         from airay.checkpoint import NATIVE_TAG, scratch_root, step_name
 
         t0 = time.perf_counter()
+        # A save never collected (its world broke) may still be writing into the stage it clears.
+        self._ckpt_writer.wait(raise_errors=False)
         stage = scratch_root() / "stage"
         shutil.rmtree(stage, ignore_errors=True)  # an earlier step's save that was never collected
         path = stage / step_name(step)
@@ -285,6 +295,7 @@ class TrainWorker:
 
         from airay.checkpoint import read_files
 
+        self._ckpt_writer.wait()  # the save's files are complete (a failed write fails the commit)
         root = Path(path)
         files = read_files(root, [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()])
         shutil.rmtree(root, ignore_errors=True)

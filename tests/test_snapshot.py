@@ -1,0 +1,99 @@
+"""The host-snapshot checkpoint engine on a real one-rank DeepSpeed engine (gloo, no Ray)."""
+
+import os
+
+import pytest
+import torch
+
+from airay import snapshot
+
+
+def test_snapshot_is_a_private_copy_and_keeps_container_types():
+    from collections import OrderedDict, defaultdict
+
+    w = torch.ones(4)
+    state = {"module": OrderedDict(w=w, view=w[:2]), "opt": defaultdict(list, {"s": [w, (w, 3)]}), "lr": 0.1}
+    snap = snapshot.snapshot(state)
+    w.mul_(5)  # the optimizer's in-place update after the save returned
+    assert torch.equal(snap["module"]["w"], torch.ones(4)) and torch.equal(snap["opt"]["s"][1][0], torch.ones(4))
+    assert snap["module"]["view"].untyped_storage().size() == 2 * 4  # compact: not the whole base storage
+    assert type(snap["module"]) is OrderedDict and snap["opt"].default_factory is list and snap["lr"] == 0.1
+
+
+def test_writer_reraises_a_failed_write_unless_the_save_is_thrown_away():
+    writer = snapshot.Writer()
+    writer.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        writer.wait()
+    writer.submit(lambda: 1 / 0)
+    assert writer.wait(raise_errors=False) == 1 and writer.wait() == 0
+
+
+@pytest.fixture
+def engine():
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from airay.models import tiny_gpt
+    from airay.policy import BatchPlan
+    from airay.worker import _disable_cpu_shm_comm, engine_config, free_port
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+    _disable_cpu_shm_comm()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    model = tiny_gpt.build(d_model=32, n_layers=2, n_heads=2, seq_len=8)
+    cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}},
+                        BatchPlan(1, 2, 1), on_cpu=True, load_universal=False)
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    yield eng
+    eng.destroy()
+    dist.destroy_process_group()
+
+
+def _train_step(eng, seed):
+    from airay.models import tiny_gpt
+
+    g = torch.Generator().manual_seed(seed)
+    eng.backward(tiny_gpt.loss(eng, {"tokens": torch.randint(0, 256, (2, 9), generator=g)}))
+    eng.step()
+
+
+def _files(d):
+    return {str(p.relative_to(d)): p for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_async_save_writes_the_state_at_the_save_in_deepspeeds_layout(engine, tmp_path):
+    _train_step(engine, 0)
+    engine.save_checkpoint(str(tmp_path / "sync"), tag="native", save_latest=False)  # DeepSpeed's own engine
+    writer = snapshot.Writer()
+    snapshot.install(engine, writer)
+    engine.save_checkpoint(str(tmp_path / "async"), tag="native", save_latest=False)
+    _train_step(engine, 1)  # weights and optimizer state change while the files may still be written
+    assert writer.wait() >= 2  # model states and the ZeRO optimizer partition
+    sync, async_ = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    assert set(async_) == set(sync)  # same files, same names
+    for name, path in ((n, p) for n, p in async_.items() if n.endswith(".pt")):
+        a = torch.load(path, weights_only=False)
+        b = torch.load(sync[name], weights_only=False)
+        flat_a, flat_b = _tensors(a), _tensors(b)
+        assert flat_a.keys() == flat_b.keys() and flat_a
+        assert all(torch.equal(flat_a[k], flat_b[k]) for k in flat_a), name
+    # And DeepSpeed loads it: the state at the save, not the later step's.
+    engine.load_checkpoint(str(tmp_path / "async"), tag="native")
+    before = engine.module.state_dict()
+    engine.load_checkpoint(str(tmp_path / "sync"), tag="native")
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+
+
+def _tensors(item, prefix=""):
+    if torch.is_tensor(item):
+        return {prefix: item}
+    out = {}
+    if isinstance(item, dict):
+        for k, v in item.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(item, (list, tuple)):
+        for i, v in enumerate(item):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out

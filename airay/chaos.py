@@ -2,7 +2,8 @@
 
 The driver decides which rank gets which fault at which step (`round_faults`, pure); the worker
 strikes it inside the step (`strike`), where a real fault of that kind would happen. Faults that
-act on files or nodes (corrupt_checkpoint, remove_node, add_node) are carried out by the driver.
+act on files or nodes (corrupt_checkpoint, lose_memory_primary, remove_node, add_node) are carried
+out by the driver.
 """
 
 from __future__ import annotations
@@ -100,3 +101,14 @@ def corrupt_checkpoint(path: str | os.PathLike, load_tag: str) -> str:
         f.seek(size // 2)
         f.write(bytes(b ^ 0xFF for b in chunk))
     return str(target.relative_to(path))
+
+
+def lose_memory(root: str | os.PathLike) -> list[Path]:
+    """Delete the memory tier's checkpoints under `root`, as the loss of the node holding them
+    would; returns what was deleted."""
+    import shutil
+
+    gone = sorted(p for p in Path(root).glob("step_*") if p.is_dir())
+    for p in gone:
+        shutil.rmtree(p)
+    return gone

@@ -12,6 +12,9 @@ One directory per committed step, in each tier that holds it:
 Two tiers. The durable tier is `checkpoint.path`: a directory shared by the nodes, or any pyarrow
 filesystem URI (s3://, gs://, ...; airay.storage). The memory tier (`checkpoint.fast_every_n_steps`)
 is a directory in the memory of the driver's node (/dev/shm), written more often, loaded first.
+Each committed memory-tier checkpoint is then copied, in the background, to a replica actor on a
+peer node (MemoryReplica, in that node's memory), so losing the driver node's memory (or the
+committer holding it) still recovers from memory: the newest complete copy that answers wins.
 
 Saving never writes the ranks' files where they become visible: each rank saves into its own
 node's memory (the only time the step loop blocks), hands its files to the committer actor
@@ -96,6 +99,7 @@ class CheckpointInfo:
     keep: bool = False  # marked KEEP: never pruned
     root: str = ""  # the tier's location (airay.storage.Storage), with any URI parameters
     name: str = ""  # the step directory's name under root
+    copy: str = "primary"  # memory tier: primary (driver's node, the committer) or replica (a peer node)
 
 
 def _files_with_sizes(root: Path, subdirs: list[str]) -> dict[str, int]:
@@ -245,8 +249,9 @@ def latest_complete(root: str | os.PathLike | Storage) -> CheckpointInfo | None:
 
 def load_order(candidates: list[CheckpointInfo]) -> list[CheckpointInfo]:
     """The order to try checkpoints in: newest step first; at the same step the memory tier
-    first (it loads faster than storage)."""
-    return sorted(candidates, key=lambda c: (-c.step, TIERS.index(c.tier)))
+    first (it loads faster than storage), its primary copy before the replica (on the driver's
+    node, where the committer serves it without crossing the network twice)."""
+    return sorted(candidates, key=lambda c: (-c.step, TIERS.index(c.tier), c.copy != "primary"))
 
 
 def prune(root: str | os.PathLike | Storage, keep_last: int, protect: str | os.PathLike | None = None) -> list[Path]:
@@ -317,7 +322,10 @@ class Checkpointer:
         if self.memory is not None:
             self.memory.mkdir(parents=True, exist_ok=True)
         self.zero_stage, self.keep_last, self.memory_keep_last, self.rec = zero_stage, keep_last, memory_keep_last, recorder
-        self._inflight = None  # (ref, step, tier, unix start time, blocking_s)
+        self._inflight = None  # (ref, step, tier, unix start time, blocking_s, previous_commit_wait_s)
+        self._to_replicate: tuple[int, str] | None = None  # (step, path) committed, not yet copied
+        self._replicating = None  # (ref, step, path, unix start time)
+        self._retried_step: int | None = None
         self.last_saved_step: int | None = None
         self.last_saved_durable = False
         self._last_committed: CheckpointInfo | None = None
@@ -330,6 +338,7 @@ class Checkpointer:
         """Collective save of `step` (with the data position at it, when data is streamed) into
         the memory tier, and also to durable storage when `durable` (always without a memory
         tier); returns the ranks' outcomes (all ok, or a loss to handle)."""
+        t_wait = time.time()
         self.wait()
         durable = durable or self.memory is None
         t0 = time.time()
@@ -342,22 +351,60 @@ class Checkpointer:
                 "memory": str(self.memory) if self.memory is not None else None,
                 "memory_keep_last": self.memory_keep_last}
         ref = group.commit(spec, [v["dir"] for v in values])
-        self._inflight = (ref, step, "durable" if durable else "memory", t0, blocking)
+        # The previous commit still going when this save came (checkpoints closer together than a
+        # commit takes) held the step loop too: reported apart as previous_commit_wait_s.
+        self._inflight = (ref, step, "durable" if durable else "memory", t0, blocking, t0 - t_wait)
         self.last_saved_step, self.last_saved_durable = step, durable
         return outcomes
 
-    def poll(self) -> None:
+    def poll(self, group=None) -> None:
         if self._inflight is not None and _ready(self._inflight[0]):
             self._finish()
+        if group is not None:
+            self._replicate(group)
 
     def wait(self) -> None:
         if self._inflight is not None:
             self._finish()
 
+    def _replicate(self, group, block: bool = False) -> None:
+        """Copy the newest committed memory-tier checkpoint to the group's replica, in the
+        background (one copy at a time; a newer commit supersedes one not yet started)."""
+        import ray
+
+        if self._replicating is not None and (block or _ready(self._replicating[0])):
+            ref, step, path, t0 = self._replicating
+            self._replicating = None
+            try:
+                done = ray.get(ref)
+                self.rec.event("checkpoint_replicated", step=step, node_id=done["node_id"], path=done["path"],
+                               bytes=done["bytes"], replicate_s=done["replicated_ts"] - t0)
+            except Exception as exc:
+                self.rec.event("checkpoint_replication_failed", step=step, error=str(exc).splitlines()[0])
+                if group.replica_died(exc):
+                    # Its node is gone: place a new replica on a live peer and copy this step again
+                    # (unless a newer one waits); once, a second failure waits for the next commit.
+                    group.replica_lost()
+                    if self._to_replicate is None and self._retried_step != step:
+                        self._to_replicate, self._retried_step = (step, path), step
+        if self._replicating is None and self._to_replicate is not None:
+            step, path = self._to_replicate
+            self._to_replicate = None
+            ref = group.replicate(path)
+            if ref is not None:
+                self._replicating = (ref, step, path, time.time())
+        if block and self._replicating is not None:
+            self._replicate(group, block=True)
+
+    def wait_replicated(self, group) -> None:
+        """Block until the newest committed memory-tier checkpoint is on the replica."""
+        self.wait()
+        self._replicate(group, block=True)
+
     def _finish(self) -> None:
         import ray
 
-        ref, step, tier, t0, blocking = self._inflight
+        ref, step, tier, t0, blocking, waited = self._inflight
         self._inflight = None
         try:
             done = ray.get(ref)
@@ -369,9 +416,11 @@ class Checkpointer:
         self._last_committed = CheckpointInfo(step, done["path"], done["world_size"], "", done["bytes"],
                                               done["committed_ts"], tier)
         extra = {"memory_s": done["memory_ts"] - t0} if done["memory_ts"] is not None else {}
+        if tier == "memory":
+            self._to_replicate = (step, done["path"])
         self.rec.event("checkpoint_saved", step=step, path=done["path"], tier=tier, blocking_s=blocking,
                        total_s=done["committed_ts"] - t0, bytes=done["bytes"], world_size=done["world_size"],
-                       **extra)
+                       previous_commit_wait_s=waited, **extra)
 
     def latest_known(self) -> CheckpointInfo | None:
         """The last checkpoint this run committed (no reading of storage: for a quick exit)."""
@@ -384,11 +433,19 @@ class Checkpointer:
             found += complete(Storage(self.memory), tier="memory")
         return load_order(found)
 
-    def latest(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint of either tier whose checksums hold; corrupt ones are
-        rejected (and the next newest tried)."""
+    def latest(self, group=None) -> CheckpointInfo | None:
+        """The newest complete checkpoint of either tier (and, given the worker group, of the
+        memory tier's replica) whose checksums hold; corrupt ones are rejected (and the next
+        newest tried)."""
         self.wait()
-        for info in self.candidates():
+        replicas = []
+        if group is not None:
+            replicas, rejected = group.replica_checkpoints()
+            for r in rejected:  # checked where the replica lives (this node cannot read its files)
+                self.rec.event("checkpoint_rejected", tier="memory", copy="replica", **r)
+        for info in load_order(self.candidates() + replicas):
+            if info.copy == "replica":
+                return info
             storage = Storage(info.root)
             # Read at every load decision (rare: start, recovery, grow), so a file damaged after
             # its commit is caught too.
@@ -436,6 +493,13 @@ def fetch_for_load(path: str, tag: str, source: str = "path", files: dict[str, b
     return str(local), local
 
 
+def package(path: str | os.PathLike, subdir: str = "") -> dict[str, bytes]:
+    """The files under `path`/`subdir` as {path relative to `path`: bytes} (sent through the
+    object store: other nodes cannot read this node's memory)."""
+    root = Path(path)
+    return read_files(root, [str(p.relative_to(root)) for p in sorted((root / subdir).rglob("*")) if p.is_file()])
+
+
 class Committer:
     """Ray actor body, on the driver's node: assembles, reshards and commits checkpoints off the
     training processes, holds the memory tier, and serves it to loading ranks."""
@@ -475,6 +539,49 @@ class Committer:
 
     def package(self, path: str, tag: str) -> dict[str, bytes]:
         """The files a rank needs to load `tag` of a memory-tier checkpoint (sent to every node
-        once through the object store: workers on other nodes cannot read this node's memory)."""
-        root = Path(path)
-        return read_files(root, [str(p.relative_to(root)) for p in sorted((root / tag).rglob("*")) if p.is_file()])
+        once through the object store)."""
+        return package(path, tag)
+
+    def package_step(self, path: str) -> dict[str, bytes]:
+        """A whole committed memory-tier checkpoint, manifest included, for the replica."""
+        return package(path)
+
+
+class MemoryReplica:
+    """Ray actor body, on a peer node of the committer's: a second copy of the memory tier in that
+    node's memory, so the loss of the driver node's memory still recovers from memory."""
+
+    def __init__(self, root: str, keep_last: int):
+        import ray
+
+        self.root, self.keep_last = Path(root), keep_last
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def receive(self, name: str, files: dict[str, bytes]) -> dict:
+        """Write a committed checkpoint's files, its manifest last (visible only when whole)."""
+        local = self.root / name
+        shutil.rmtree(local, ignore_errors=True)
+        manifest = files.pop(MANIFEST)
+        write_files(local, files)
+        Storage(self.root).write_bytes(f"{name}/{MANIFEST}", manifest)
+        prune(Storage(self.root), self.keep_last, protect=name)
+        return {"node_id": self.node_id, "path": str(local), "bytes": sum(map(len, files.values())),
+                "replicated_ts": time.time()}
+
+    def checkpoints(self) -> tuple[list[CheckpointInfo], list[dict]]:
+        """(complete copies whose checksums hold, newest first; the corrupt ones set aside)."""
+        import dataclasses
+
+        storage, good, rejected = Storage(self.root), [], []
+        for info in complete(storage, tier="memory"):
+            bad = corrupt_files_at(storage, info.name)
+            if bad:
+                rejected.append({"step": info.step, "path": info.path, "moved_to": reject_at(storage, info.name),
+                                 "reason": f"CRC-32 mismatch in {bad[:3]}"})
+            else:
+                good.append(dataclasses.replace(info, copy="replica"))
+        return good, rejected
+
+    def package(self, path: str, tag: str) -> dict[str, bytes]:
+        return package(path, tag)

@@ -183,7 +183,7 @@ class CheckpointSpec(_Spec):
 
 
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
-                    "corrupt_checkpoint", "slow_worker"]
+                    "corrupt_checkpoint", "lose_memory_primary", "slow_worker"]
 
 
 class ChaosSpec(_Spec):
@@ -195,7 +195,9 @@ class ChaosSpec(_Spec):
     stops, heartbeat included). raise_in_user_code: the rank's loss function raises.
     oom_worker: the rank's address space is capped just above its use, then it allocates until
     MemoryError. corrupt_checkpoint: flip bytes in the newest committed checkpoint, then kill
-    the rank so the run must load it. slow_worker: the rank sleeps `delay_s` in each of
+    the rank so the run must load it. lose_memory_primary: once the memory tier's replica holds
+    the newest memory checkpoint, the driver node's copy is lost (its committer killed, its files
+    deleted), then the rank is killed, so the run must recover from the replica. slow_worker: the rank sleeps `delay_s` in each of
     `steps` steps (a straggler).
     """
 
@@ -324,6 +326,10 @@ class JobConfig(_Spec):
             if fault.fault == "corrupt_checkpoint" and self.checkpoint.keep_last < 2:
                 raise ValueError(f"chaos[{i}]: corrupt_checkpoint needs checkpoint.keep_last >= 2 "
                                  "(an older checkpoint to fall back to)")
+            if fault.fault == "lose_memory_primary" and (not self.checkpoint.fast_every_n_steps
+                                                         or fault.at_step <= self.checkpoint.fast_every_n_steps):
+                raise ValueError(f"chaos[{i}]: lose_memory_primary needs a memory tier with a committed "
+                                 "checkpoint: set checkpoint.fast_every_n_steps, and at_step > it")
             if fault.fault == "slow_worker" and fault.at_step + fault.steps > self.max_steps:
                 raise ValueError(f"chaos[{i}]: slow_worker steps ({fault.steps}) run past max_steps "
                                  f"({self.max_steps}); lower chaos[{i}].steps or at_step")

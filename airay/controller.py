@@ -153,8 +153,10 @@ class Controller:
             latest = self.ckpt.latest()
             self.feeder.seek(latest.step if latest else 0)
         per_worker = sc.resources_per_worker or default_worker_resources(ray.cluster_resources())
+        replica = (str(self.ckpt.memory) + "-replica", self.cfg.checkpoint.memory_keep_last) \
+            if self.ckpt.memory is not None else None
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
-                                 self.cfg.timeouts.survivor_drain_s)
+                                 self.cfg.timeouts.survivor_drain_s, replica)
         self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
         deadline = time.time() + self.cfg.timeouts.capacity_wait_s
         size = None
@@ -177,7 +179,7 @@ class Controller:
             time.sleep(1.0)
         if not self.group.wait_for_standby(size, timeout_s=self.cfg.timeouts.capacity_wait_s + 120):
             raise RunFailed(f"{size} workers were placed but did not start within the timeout")
-        ckpt = self.ckpt.latest()
+        ckpt = self.ckpt.latest(self.group)
         if ckpt is not None:
             self.rec.event("resuming", step=ckpt.step, path=str(ckpt.path))
         return State.RUNNING if self._form(size, ckpt) else State.RECOVERING
@@ -187,7 +189,7 @@ class Controller:
             return self._finish()
         if self.preempt_deadline is not None:
             return self._preempt()
-        self.ckpt.poll()
+        self.ckpt.poll(self.group)
         if self.step % self.cfg.timeouts.grow_check_every_n_steps == 0 and self._can_grow():
             return State.GROWING
         pending = [c.at_step for i, c in enumerate(self.cfg.chaos) if i not in self.fired]
@@ -286,7 +288,7 @@ class Controller:
             decision = policy.decide_recovery(len(group.active), len(group.standby), sc.min_workers, sc.max_workers)
         new = decision.new_world_size
         t_ckpt = time.time()
-        ckpt = self.ckpt.latest()
+        ckpt = self.ckpt.latest(self.group)
         self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="failure",
                        checkpoint_step=ckpt.step if ckpt else None)
         parts = {"drain_s": t_drained - self.t_detect, "checkpoint_wait_s": time.time() - t_ckpt}
@@ -302,7 +304,7 @@ class Controller:
         self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="grow")
         if self.ckpt.last_saved_step != self.step and not self._checkpoint():
             return State.RECOVERING
-        ckpt = self.ckpt.latest()
+        ckpt = self.ckpt.latest(self.group)
         parts = {"checkpoint_s": time.time() - t0}
         return State.RUNNING if self._form(new, ckpt, t0=t0, old=old, reason="grow", parts=parts) \
             else State.RECOVERING
@@ -347,7 +349,9 @@ class Controller:
             self.step = values[0]["step"]
             if self.feeder is not None:
                 self.feeder.check_position(values[0].get("data_position"), self.step)
-            self.rec.event("checkpoint_loaded", step=self.step, path=str(ckpt.path), tier=ckpt.tier, world_size=size,
+            copy = {"copy": ckpt.copy} if ckpt.tier == "memory" else {}
+            self.rec.event("checkpoint_loaded", step=self.step, path=str(ckpt.path), tier=ckpt.tier, **copy,
+                           world_size=size,
                            saved_world_size=ckpt.world_size, load_s=time.time() - t_load,
                            fetch_s=max(v["fetch_s"] for v in values))
         else:
@@ -449,6 +453,14 @@ class Controller:
                                reason=f"world size is {world}")
                 continue
             detail = {}
+            if fault.fault == "lose_memory_primary":
+                # The driver node's memory is lost once the replica holds the newest memory
+                # checkpoint (so the outcome is known): the committer dies, the primary copies go;
+                # then kill the rank so the run must load one.
+                self.ckpt.wait_replicated(self.group)
+                self.group.lose_memory_primary()
+                detail = {"removed": [str(p) for p in chaos.lose_memory(self.ckpt.memory)]}
+                faults.setdefault(fault.rank, {})[step] = {"fault": "kill_worker"}
             if fault.fault == "corrupt_checkpoint":
                 # Damage the checkpoint the run would load, then make it need one: kill the rank.
                 ckpt = self.ckpt.latest()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -18,7 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from airay import placement
-from airay.checkpoint import CheckpointInfo, Committer
+from airay.checkpoint import CheckpointInfo, Committer, MemoryReplica
 from airay.storage import Storage
 from airay.health import RankOutcome, find_hung, position
 from airay.policy import BatchPlan
@@ -41,7 +42,8 @@ class Member:
 
 class WorkerGroup:
     def __init__(self, spec: dict[str, Any], per_worker: dict[str, float], strategy: str,
-                 drain_s: float):
+                 drain_s: float, replica: tuple[str, int] | None = None):
+        """`replica`: (directory, checkpoints kept) of the memory tier's copy on a peer node."""
         self.spec = spec
         self.per_worker = per_worker
         self.strategy = strategy
@@ -59,9 +61,66 @@ class WorkerGroup:
         self._actor_opts = {**placement.actor_options(per_worker), "max_restarts": 0,
                             "runtime_env": {"env_vars": env} if env else None}
         # The committer reshards checkpoints; it lives beside the driver, whose node outlives workers.
+        self.driver_node = ray.get_runtime_context().get_node_id()
         self.committer = ray.remote(Committer).options(
             num_cpus=0, max_restarts=-1, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=False)).remote()
+                self.driver_node, soft=False)).remote()
+        self.replica_spec = replica
+        self.replica = None
+        self.replica_node: str | None = None
+        if replica is not None:
+            self._place_replica()  # now, so a resumed run finds copies it left on that node
+
+    def _place_replica(self) -> bool:
+        """Start the memory tier's replica on a live node other than the driver's (and not an
+        excluded one); False when there is none (a one-node cluster: no peer to copy to)."""
+        peers = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != self.driver_node
+                       and n["NodeID"] not in self.excluded)
+        if not peers:
+            return False
+        self.replica_node = peers[0]
+        self.replica = ray.remote(MemoryReplica).options(
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                self.replica_node, soft=False)).remote(*self.replica_spec)
+        return True
+
+    def replica_died(self, exc: BaseException) -> bool:
+        """Whether a failed copy failed because the replica (or its node) died, not its source."""
+        return (self.replica is not None and isinstance(exc, ray.exceptions.RayActorError)
+                and exc.actor_id == self.replica._actor_id.hex())
+
+    def replica_lost(self) -> None:
+        """The replica (or its node) died: drop it; the next copy re-places it on a live peer."""
+        if self.replica is not None:
+            try:
+                ray.kill(self.replica, no_restart=True)
+            except Exception:
+                pass
+        self.replica, self.replica_node = None, None
+
+    def replicate(self, path: str):
+        """Copy a committed memory-tier checkpoint from the committer to the replica, actor to
+        actor through the object store (never through the driver); returns the copy's ref, or
+        None when there is no peer node."""
+        if self.replica_spec is None or (self.replica is None and not self._place_replica()):
+            return None
+        files = self.committer.package_step.remote(path)
+        return self.replica.receive.remote(Path(path).name, files)
+
+    def replica_checkpoints(self, timeout_s: float = 30.0) -> tuple[list[CheckpointInfo], list[dict]]:
+        """The replica's complete, checksum-verified copies (and those it set aside as corrupt);
+        nothing when it is gone (its node lost)."""
+        if self.replica is None:
+            return [], []
+        try:
+            return ray.get(self.replica.checkpoints.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError):
+            self.replica_lost()
+            return [], []
+
+    def lose_memory_primary(self) -> None:
+        """Chaos: the committer dies as with its node (Ray restarts it, empty-handed)."""
+        ray.kill(self.committer, no_restart=False)
 
     def commit(self, spec: dict, dirs: list[str]):
         """Hand each rank's saved files to the committer (through the object store, in the
@@ -165,7 +224,8 @@ class WorkerGroup:
         """Every rank loads `ckpt`: a memory-tier one is served by the committer, a remote one
         is downloaded by each rank, a shared directory is read in place."""
         if ckpt.tier == "memory":
-            files = self.committer.package.remote(ckpt.path, ckpt.load_tag)
+            holder = self.replica if ckpt.copy == "replica" else self.committer
+            files = holder.package.remote(ckpt.path, ckpt.load_tag)
             refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag, "memory", files) for m in self.active]
         elif Storage(ckpt.root).is_local:
             refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag) for m in self.active]
@@ -262,6 +322,7 @@ class WorkerGroup:
         """Kill every actor and remove every placement group this group made, and wait until
         Ray reports them gone, so a run that returns has really given its resources back."""
         actors = [m.actor for m in self.active + self.pending + self.standby] + [self.committer]
+        actors += [self.replica] if self.replica is not None else []
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)

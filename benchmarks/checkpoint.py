@@ -3,9 +3,10 @@
 One invocation, one model (tiny GPT with larger dims: about 25M parameters, ~300 MB of model and
 AdamW state at the defaults), durable storage on a real S3-compatible server (moto, started here):
 
-  blocked per save   airay: `checkpoint_saved.blocking_s` of a real run (ranks save into their
-                     node's memory; assembling, the manifest and the upload go on in the
-                     background), against DeepSpeed's synchronous `save_checkpoint` of the same
+  blocked per save   airay: `checkpoint_saved.blocking_s` of a real run (ranks copy their state
+                     to host memory; writing the files, assembling, the manifest and the upload
+                     go on in the background; `previous_commit_wait_s` is reported beside it),
+                     against DeepSpeed's synchronous `save_checkpoint` of the same
                      state in this process: to a local directory and then uploaded to the same
                      S3 server before training may go on (what a synchronous checkpoint to S3
                      costs), and to the local directory alone (no upload).
@@ -13,7 +14,8 @@ AdamW state at the defaults), durable storage on a real S3-compatible server (mo
                      worker's world reloads from the memory tier, against a re-run of the same
                      job on a driver without the memory tier, which loads from S3.
 
-Medians over --repeats; ratios. Usage: python benchmarks/checkpoint.py [--repeats 3] [--json OUT]
+Medians over --repeats; ratios. Usage: python benchmarks/checkpoint.py [--repeats 3] [--reduced] [--json OUT]
+  --reduced: a small model (~5 MiB of state) and one repeat, so the suite's reduced run stays short
 """
 
 from __future__ import annotations
@@ -32,19 +34,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODEL = {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 32}
+REDUCED_MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 32}
 DEEPSPEED = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
 
 
-def job(run_dir: Path, max_steps: int, checkpoint: dict, chaos: list) -> dict:
-    return {"name": "ckpt-bench", "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": MODEL},
+def job(run_dir: Path, max_steps: int, checkpoint: dict, chaos: list, model: dict) -> dict:
+    return {"name": "ckpt-bench", "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": model},
             "loss_fn": "airay.models.tiny_gpt:loss", "deepspeed": DEEPSPEED,
-            "data": {"kwargs": {"seq_len": MODEL["seq_len"]}},
+            "data": {"kwargs": {"seq_len": model["seq_len"]}},
             "global_batch_size": 2, "micro_batch_size": 2, "max_steps": max_steps, "steps_per_round": 2,
             "scaling": {"min_workers": 1, "max_workers": 2}, "checkpoint": checkpoint, "chaos": chaos,
             "timeouts": {"capacity_wait_s": 120}, "run_dir": str(run_dir)}
 
 
-def synchronous_saves(repeats: int, uri: str, work: Path) -> dict:
+def synchronous_saves(repeats: int, uri: str, work: Path, model_kwargs: dict) -> dict:
     """DeepSpeed's own synchronous save of the same model and optimizer state, in this process."""
     import deepspeed
     import torch
@@ -58,10 +61,10 @@ def synchronous_saves(repeats: int, uri: str, work: Path) -> dict:
                        "MASTER_PORT": str(free_port())})
     _disable_cpu_shm_comm()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    model = tiny_gpt.build(**MODEL)
+    model = tiny_gpt.build(**model_kwargs)
     cfg = engine_config(DEEPSPEED, BatchPlan(1, 2, 1), on_cpu=True, load_universal=False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    batch = {"tokens": torch.randint(0, 256, (2, MODEL["seq_len"] + 1))}
+    batch = {"tokens": torch.randint(0, 256, (2, model_kwargs["seq_len"] + 1))}
     engine.backward(tiny_gpt.loss(engine, batch))
     engine.step()  # the optimizer state exists, as in training
     storage = Storage(uri)
@@ -84,7 +87,7 @@ def synchronous_saves(repeats: int, uri: str, work: Path) -> dict:
     return {"local_dir_s": local, "local_dir_then_s3_s": upload, "bytes": nbytes}
 
 
-def airay_runs(repeats: int, bucket_uri, work: Path) -> dict:
+def airay_runs(repeats: int, bucket_uri, work: Path, model: dict) -> dict:
     import ray
 
     from airay import JobConfig, fit
@@ -92,7 +95,7 @@ def airay_runs(repeats: int, bucket_uri, work: Path) -> dict:
     from airay.events import read_jsonl
     from airay.local_cluster import LocalCluster
 
-    blocking, total, memory_load, durable_load, memory_fetch, durable_fetch = [], [], [], [], [], []
+    blocking, total, memory_load, durable_load, memory_fetch, durable_fetch, waited = [], [], [], [], [], [], []
     nbytes = 0
     lc = LocalCluster(LocalClusterSpec(local_nodes=2, cpus_per_node=1, object_store_memory=1024**3))
     ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
@@ -102,12 +105,13 @@ def airay_runs(repeats: int, bucket_uri, work: Path) -> dict:
             ckpt = {"path": bucket_uri(f"bench{i}"), "every_n_steps": 4, "fast_every_n_steps": 2, "keep_last": 2,
                     "memory_path": str(mem)}
             # A kill at step 7: the memory tier has step 6 (S3 has step 4).
-            first = fit(JobConfig.from_dict(job(run, 8, ckpt, [{"fault": "kill_worker", "at_step": 7, "rank": 1}])),
+            first = fit(JobConfig.from_dict(job(run, 8, ckpt, [{"fault": "kill_worker", "at_step": 7, "rank": 1}], model)),
                         echo=False)
             assert first.status == "finished", first.error
             ev = read_jsonl(run / "events.jsonl")
             saves = [e for e in ev if e["type"] == "checkpoint_saved"]
             blocking += [e["blocking_s"] for e in saves]
+            waited += [e["previous_commit_wait_s"] for e in saves]
             total += [e["total_s"] for e in saves if e["tier"] == "durable"]
             nbytes = saves[-1]["bytes"]
             loaded = [e for e in ev if e["type"] == "checkpoint_loaded"]
@@ -115,7 +119,7 @@ def airay_runs(repeats: int, bucket_uri, work: Path) -> dict:
             memory_load.append(loaded[-1]["load_s"])
             memory_fetch.append(loaded[-1]["fetch_s"])
             shutil.rmtree(mem)  # a new driver node: only S3 is left
-            second = fit(JobConfig.from_dict(job(run, 9, ckpt, [])), echo=False)
+            second = fit(JobConfig.from_dict(job(run, 9, ckpt, [], model)), echo=False)
             assert second.status == "finished", second.error
             loaded = [e for e in read_jsonl(run / "events.jsonl") if e["type"] == "checkpoint_loaded"]
             assert loaded[-1]["tier"] == "durable", loaded
@@ -124,7 +128,7 @@ def airay_runs(repeats: int, bucket_uri, work: Path) -> dict:
     finally:
         ray.shutdown()
         lc.shutdown()
-    return {"blocking_s": blocking, "durable_total_s": total, "memory_load_s": memory_load,
+    return {"blocking_s": blocking, "previous_commit_wait_s": waited, "durable_total_s": total, "memory_load_s": memory_load,
             "durable_load_s": durable_load, "memory_fetch_s": memory_fetch, "durable_fetch_s": durable_fetch,
             "bytes": nbytes}
 
@@ -132,18 +136,22 @@ def airay_runs(repeats: int, bucket_uri, work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--reduced", action="store_true", help="small model, one repeat")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
+    model = REDUCED_MODEL if args.reduced else MODEL
+    if args.reduced:
+        args.repeats = 1
     from tests.s3server import s3_server
 
     med = statistics.median
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm, \
             tempfile.TemporaryDirectory() as disk, s3_server() as bucket_uri:
-        sync = synchronous_saves(args.repeats, bucket_uri("sync"), Path(disk))
-        runs = airay_runs(args.repeats, bucket_uri, Path(shm))
+        sync = synchronous_saves(args.repeats, bucket_uri("sync"), Path(disk), model)
+        runs = airay_runs(args.repeats, bucket_uri, Path(shm), model)
     out = {
-        "model": MODEL, "state_bytes": runs["bytes"], "repeats": args.repeats,
-        "airay_blocking_s": med(runs["blocking_s"]), "airay_durable_total_s": med(runs["durable_total_s"]),
+        "model": model, "state_bytes": runs["bytes"], "repeats": args.repeats,
+        "airay_blocking_s": med(runs["blocking_s"]), "previous_commit_wait_s": med(runs["previous_commit_wait_s"]), "airay_durable_total_s": med(runs["durable_total_s"]),
         "sync_local_dir_s": med(sync["local_dir_s"]), "sync_local_dir_then_s3_s": med(sync["local_dir_then_s3_s"]),
         "memory_recovery_load_s": med(runs["memory_load_s"]), "durable_recovery_load_s": med(runs["durable_load_s"]),
         "memory_fetch_s": med(runs["memory_fetch_s"]), "durable_fetch_s": med(runs["durable_fetch_s"]),
@@ -152,9 +160,10 @@ def main() -> int:
     out["blocking_vs_sync_s3"] = out["airay_blocking_s"] / out["sync_local_dir_then_s3_s"]
     out["blocking_vs_sync_local"] = out["airay_blocking_s"] / out["sync_local_dir_s"]
     out["recovery_speedup_memory_vs_s3"] = out["durable_recovery_load_s"] / out["memory_recovery_load_s"]
-    print(f"model {MODEL}, checkpoint {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}")
-    print(f"blocked per save, airay async (ranks save to node memory)   {out['airay_blocking_s']:.3f} s "
+    print(f"model {model}, checkpoint {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}")
+    print(f"blocked per save, airay async (host snapshot, then bg write) {out['airay_blocking_s']:.3f} s "
           f"(background commit to S3 done after {out['airay_durable_total_s']:.2f} s)")
+    print(f"  and waiting for the previous save's commit before it        {out['previous_commit_wait_s']:.3f} s")
     print(f"blocked per save, DeepSpeed sync save_checkpoint + S3 upload {out['sync_local_dir_then_s3_s']:.3f} s")
     print(f"blocked per save, DeepSpeed sync save_checkpoint, local dir  {out['sync_local_dir_s']:.3f} s")
     print(f"blocking ratio async / sync-to-S3   {out['blocking_vs_sync_s3']:.3f}  (target <= 0.10)")

@@ -7,7 +7,7 @@ from airay.local_cluster import LocalCluster
 
 def live_airay_actors() -> list[str]:
     return [a["ActorClassName"] for a in ray.state.actors().values()
-            if a["State"] != "DEAD" and a["ActorClassName"] in ("TrainWorker", "Committer")]
+            if a["State"] != "DEAD" and a["ActorClassName"] in ("TrainWorker", "Committer", "MemoryReplica")]
 
 
 def live_placement_groups() -> list[str]:

@@ -17,10 +17,10 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
     for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput",
-                    "## Recovery and goodput: airay vs Ray Train"):
+                    "## Recovery and goodput: airay vs Ray Train", "## Checkpoint: blocking per save"):
         assert heading in text
     # Every table row carries a number, and each section names the command that produced it.
-    assert text.count("`python benchmarks/") == 4 and "`airay simulate --gpus 1024" in text
+    assert text.count("`python benchmarks/") == 5 and "`airay simulate --gpus 1024" in text
     assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text
     # Warm recovery's parts are measured and add up to less than a cold start of the same checkpoint.
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
@@ -33,3 +33,11 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     row = {line.split(" | ")[1]: line.split(" | ") for line in text.splitlines() if line.startswith("| worker | ")}
     assert set(row) == {"airay", "Ray Train"}
     assert abs(float(row["airay"][7]) - float(row["Ray Train"][7])) < 1e-4
+    # Checkpoint section: every row measured; the async save blocks less than the sync save plus upload.
+    section = text.split("## Checkpoint: blocking per save")[1].split("\n## ")[0]
+    ck = {line.split(" | ")[0][2:]: line.split(" | ") for line in section.splitlines()
+          if line.startswith("| ") and not line.startswith(("| |", "| ---"))}
+    assert len(ck) == 6 and all(float(c[1]) > 0 for c in ck.values()), ck
+    sync_s3 = float(ck["DeepSpeed sync save + S3 upload"][1])
+    blocked = next(float(c[1]) for k, c in ck.items() if k.startswith("airay blocked"))
+    assert blocked < sync_s3

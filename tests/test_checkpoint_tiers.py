@@ -3,9 +3,11 @@
 1. Durable storage on a real S3-compatible server: a worker killed between durable checkpoints
    recovers from the memory tier; the finished job, re-run on the same run directory with a
    longer max_steps and without its memory tier (as on a new driver node), resumes from S3.
-2. SIGTERM to the driver of `airay run` (a spot reclaim): an emergency checkpoint, a clean exit,
+2. The driver node's memory is lost (its committer killed, its memory-tier files gone) and a
+   worker killed: the run recovers from the memory tier's replica on a peer node.
+3. SIGTERM to the driver of `airay run` (a spot reclaim): an emergency checkpoint, a clean exit,
    and the same command run again resumes from it.
-Both continue the loss curve of a fault-free run exactly (rtol as in tests/test_elastic.py:
+All continue the loss curve of a fault-free run exactly (rtol as in tests/test_elastic.py:
 world sizes 3 and 2 sum gradients in different orders).
 """
 
@@ -104,7 +106,7 @@ def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_clu
         assert all(e["path"].startswith("s3://") for e in saved if e["tier"] == "durable")
         # The kill at step 17 lost two steps: step 15 came from memory, not step 10 from S3.
         (loaded,) = events(run, "checkpoint_loaded")
-        assert (loaded["step"], loaded["tier"], loaded["saved_world_size"]) == (15, "memory", 3)
+        assert (loaded["step"], loaded["tier"], loaded["copy"], loaded["saved_world_size"]) == (15, "memory", "primary", 3)
         assert [r["resumed_step"] for r in first.resizes if r["reason"] == "failure"] == [15]
         assert Storage(ckpt["path"]).list_dirs() == ["step_00000010", "step_00000020"]
 
@@ -118,6 +120,29 @@ def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_clu
         loaded = events(run, "checkpoint_loaded")[-1]
         assert (loaded["step"], loaded["tier"]) == (20, "durable") and loaded["path"].startswith("s3://")
 
+    assert_continues(run, baseline)
+
+
+def test_losing_the_driver_nodes_memory_recovers_from_the_replica_on_a_peer_node(tmp_path, local_cluster, baseline):
+    import ray
+
+    local_cluster(nodes=3)
+    memory = tmp_path / "node-memory"
+    ckpt = {"every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2, "memory_path": str(memory)}
+    run = tmp_path / "run"
+    result = fit(spec(run, 30, ckpt, chaos=[{"fault": "lose_memory_primary", "at_step": 17, "rank": 1}]), echo=False)
+    assert result.status == "finished" and result.final_step == 30 and result.restarts == 1
+    driver_node = ray.get_runtime_context().get_node_id()
+    assert_released()
+    replicated = events(run, "checkpoint_replicated")
+    assert {5, 15} <= {e["step"] for e in replicated}  # memory-tier steps (durable ones are on storage)
+    assert all(e["node_id"] != driver_node and e["bytes"] > 0 for e in replicated)
+    (fault,) = events(run, "fault_injected")
+    assert any(p.endswith("step_00000015") for p in fault["removed"])  # the primary copy of step 15 is gone
+    # Step 15 still came from memory, from the replica; not step 10 from storage.
+    (loaded,) = events(run, "checkpoint_loaded")
+    assert (loaded["step"], loaded["tier"], loaded["copy"]) == (15, "memory", "replica")
+    assert [r["resumed_step"] for r in result.resizes if r["reason"] == "failure"] == [15]
     assert_continues(run, baseline)
 
 

@@ -122,6 +122,24 @@ def test_load_order_is_newest_first_memory_before_durable():
                                                                (5, "durable")]
 
 
+def test_load_order_takes_the_memory_replica_after_the_primary_and_before_older_steps():
+    infos = [ck.CheckpointInfo(s, f"/x/{c}/{s}", 2, "native", 1, tier=t, copy=c) for s, t, c in
+             [(10, "durable", "primary"), (15, "memory", "replica"), (15, "memory", "primary"), (12, "memory", "replica")]]
+    assert [(c.step, c.copy) for c in ck.load_order(infos)] == [(15, "primary"), (15, "replica"), (12, "replica"),
+                                                               (10, "primary")]
+    # The primary copy gone (the driver node's memory lost): the replica of the same step wins.
+    assert ck.load_order([i for i in infos if i.copy != "primary" or i.tier == "durable"])[0].copy == "replica"
+
+
+def test_lose_memory_deletes_only_the_tiers_step_directories(tmp_path):
+    from airay.chaos import lose_memory
+
+    for name in ("step_00000005", "step_00000010", "other"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in lose_memory(tmp_path)] == ["step_00000005", "step_00000010"]
+    assert [p.name for p in tmp_path.iterdir()] == ["other"]
+
+
 def test_memory_root_is_stable_per_checkpoint_path(tmp_path):
     a = ck.memory_root(tmp_path, "s3://b/run1?endpoint_override=http://h:1")
     assert a == ck.memory_root(tmp_path, "s3://b/run1?endpoint_override=http://h:2")  # same bucket path

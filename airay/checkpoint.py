@@ -68,6 +68,12 @@ def memory_root(base: str | os.PathLike | None, durable: str) -> Path:
     return Path(base) / f"ckpt-{key}"
 
 
+def replica_root(memory: str | os.PathLike) -> Path:
+    """Where the memory tier's replica keeps its copies on its (peer) node: beside the primary's
+    name, so nodes sharing one /dev/shm (a local cluster) never mix the two."""
+    return Path(str(memory) + "-replica")
+
+
 def scratch_root() -> Path:
     """Node-local memory for files on their way somewhere (a rank's save, a load's download)."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

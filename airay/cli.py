@@ -150,13 +150,13 @@ def _jobs(args) -> int:
 
 def checkpoint_tiers(location: str) -> list[tuple[str, str]]:
     """[(tier, location)] to list for `airay checkpoints LOCATION`: a run directory's durable
-    checkpoint path (from its config.yaml) and, when it has one, its memory tier on this node;
+    checkpoint path (from its config.yaml) and, when it has one, its memory tier (and replica) on this node;
     anything else is taken as a checkpoint path."""
     from pathlib import Path
 
     import yaml
 
-    from airay.checkpoint import memory_root
+    from airay.checkpoint import memory_root, replica_root
 
     config = Path(location) / "config.yaml"
     if "://" in location or not config.is_file():
@@ -165,7 +165,10 @@ def checkpoint_tiers(location: str) -> list[tuple[str, str]]:
     durable = ck.get("path") or str(Path(location) / "checkpoints")
     tiers = [("durable", durable)]
     if ck.get("fast_every_n_steps"):
-        tiers.insert(0, ("memory", str(memory_root(ck.get("memory_path"), durable))))
+        memory = memory_root(ck.get("memory_path"), durable)
+        tiers.insert(0, ("memory", str(memory)))
+        if replica_root(memory).is_dir():  # the replica's copies, when it ran on this node
+            tiers.insert(1, ("memory", str(replica_root(memory))))
     return tiers
 
 

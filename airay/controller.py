@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from airay import chaos, goodput, policy
-from airay.checkpoint import CheckpointInfo, Checkpointer, memory_root
+from airay.checkpoint import CheckpointInfo, Checkpointer, memory_root, replica_root
 from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.feeder import DataLog, Feeder, Stream
@@ -153,7 +153,7 @@ class Controller:
             latest = self.ckpt.latest()
             self.feeder.seek(latest.step if latest else 0)
         per_worker = sc.resources_per_worker or default_worker_resources(ray.cluster_resources())
-        replica = (str(self.ckpt.memory) + "-replica", self.cfg.checkpoint.memory_keep_last) \
+        replica = (str(replica_root(self.ckpt.memory)), self.cfg.checkpoint.memory_keep_last) \
             if self.ckpt.memory is not None else None
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                  self.cfg.timeouts.survivor_drain_s, replica)

@@ -15,7 +15,8 @@ next save, so a half-written file is never shipped and two saves never interleav
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,25 +24,41 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 
-def snapshot(item):
+def snapshot(item, reuse: list | None = None, made: list | None = None):
     """`item` with every tensor replaced by a private host-memory copy; containers are rebuilt
     (dict subclasses keep their type and defaults), other leaves are shared: state dicts hold
-    numbers, strings and fresh containers there, nothing the step loop mutates."""
+    numbers, strings and fresh containers there, nothing the step loop mutates.
+
+    `reuse`: host tensors of an earlier snapshot of the same state, in the same order, to copy
+    into instead of allocating (one whose shape or dtype differs is replaced); `made` collects
+    this snapshot's tensors in that order, for the next one."""
     import torch
 
-    if torch.is_tensor(item):
-        t = item.detach()
-        return t.clone() if t.device.type == "cpu" else t.to("cpu")
-    if isinstance(item, dict):
-        out = copy.copy(item)
-        for k, v in item.items():
-            out[k] = snapshot(v)
-        return out
-    if isinstance(item, list):
-        return [snapshot(v) for v in item]
-    if isinstance(item, tuple):
-        return type(item)(*map(snapshot, item)) if hasattr(item, "_fields") else tuple(map(snapshot, item))
-    return item
+    pool = iter(reuse or ())
+    made = [] if made is None else made
+
+    def copy(item):
+        if torch.is_tensor(item):
+            t = item.detach()
+            old = next(pool, None)
+            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                out = old.copy_(t)
+            else:
+                out = t.clone() if t.device.type == "cpu" else t.to("cpu")
+            made.append(out)
+            return out
+        if isinstance(item, dict):
+            out = _copy.copy(item)
+            for k, v in item.items():
+                out[k] = copy(v)
+            return out
+        if isinstance(item, list):
+            return [copy(v) for v in item]
+        if isinstance(item, tuple):
+            return type(item)(*map(copy, item)) if hasattr(item, "_fields") else tuple(map(copy, item))
+        return item
+
+    return copy(item)
 
 
 class Writer:
@@ -49,6 +66,10 @@ class Writer:
     process (engines come and go with world changes, pending files must not go with them)."""
 
     def __init__(self):
+        # Host copies of the last save's tensors, per file, copied into by the next save: at
+        # hundreds of MB, allocating and first touching fresh memory costs more than the copy.
+        # The price is one copy of the checkpointed state kept in host memory between saves.
+        self.buffers: dict[str, list] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-writer")
         self._pending: list[Future] = []
         self._lock = threading.Lock()
@@ -77,10 +98,19 @@ class SnapshotEngine(TorchCheckpointEngine):
         self.name = "AirayHostSnapshotEngine"
         self.writer = writer
 
+    def create(self, info: CheckpointCommitInfo):
+        # A new save_checkpoint: the host buffers are about to be overwritten, so an earlier
+        # save's writes (one never collected: its world broke) must have finished with them.
+        self.writer.wait(raise_errors=False)
+
     def save(self, state_dict, path: str):
         import torch
 
-        state = snapshot(state_dict)
+        made: list = []
+        # Keyed by file name (the same on every save of this rank): model states, optimizer partition.
+        key = os.path.basename(path)
+        state = snapshot(state_dict, self.writer.buffers.get(key), made)
+        self.writer.buffers[key] = made
         self.writer.submit(lambda: torch.save(state, path, _use_new_zipfile_serialization=self.zipfile_serialization))
 
     def preserves_storage_sharing(self):

@@ -20,6 +20,19 @@ def test_snapshot_is_a_private_copy_and_keeps_container_types():
     assert type(snap["module"]) is OrderedDict and snap["opt"].default_factory is list and snap["lr"] == 0.1
 
 
+def test_a_later_snapshot_copies_into_the_earlier_ones_buffers_where_shapes_match():
+    w, b = torch.ones(4), torch.zeros(2, dtype=torch.int64)
+    made = []
+    first = snapshot.snapshot({"w": w, "b": b}, None, made)
+    w.add_(1)
+    b = torch.zeros(3, dtype=torch.int64)  # a tensor whose shape changed gets a fresh buffer
+    again = []
+    second = snapshot.snapshot({"w": w, "b": b}, made, again)
+    assert second["w"].data_ptr() == first["w"].data_ptr() and torch.equal(second["w"], torch.full((4,), 2.0))
+    assert second["b"].shape == (3,) and second["b"].data_ptr() != b.data_ptr()
+    assert [t.data_ptr() for t in again] == [second["w"].data_ptr(), second["b"].data_ptr()]
+
+
 def test_writer_reraises_a_failed_write_unless_the_save_is_thrown_away():
     writer = snapshot.Writer()
     writer.submit(lambda: 1 / 0)

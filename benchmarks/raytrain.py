@@ -299,6 +299,7 @@ def main() -> int:
     parser.add_argument("--schedule-steps", type=int, default=0,
                         help="also a goodput run of this many steps with a worker killed every --every steps")
     parser.add_argument("--every", type=int, default=40)
+    parser.add_argument("--schedule-repeats", type=int, default=1, help="repeats of the (long) goodput run")
     parser.add_argument("--schedule-ckpt-every", type=int, default=CKPT_EVERY,
                         help="checkpoint interval (steps) of the goodput run, on both sides")
     parser.add_argument("--json", help="also write the numbers here")
@@ -315,7 +316,7 @@ def main() -> int:
         if args.schedule_steps:
             schedule = schedule_fault_steps(args.schedule_steps, args.every, args.schedule_ckpt_every)
             out["schedule"] = {"fault_steps": schedule,
-                               "runs": compare("worker", args.schedule_steps, schedule, args.repeats, Path(tmp),
+                               "runs": compare("worker", args.schedule_steps, schedule, args.schedule_repeats, Path(tmp),
                                                args.schedule_ckpt_every)}
 
     if faults:
@@ -337,7 +338,7 @@ def main() -> int:
         sched = out["schedule"]
         print(f"goodput: {args.schedule_steps} steps, checkpoint every {args.schedule_ckpt_every}, a worker "
               f"killed at steps {sched['fault_steps']}; "
-              f"goodput = time of kept steps / wall; median of {args.repeats} (min-max)")
+              f"goodput = time of kept steps / wall; median of {args.schedule_repeats} (min-max)")
         gp = out["median"]["schedule"] = {}
         for side, runs in sched["runs"].items():
             gp[side] = {k: median_of(runs, k) for k in ("goodput", "wall_s", "steps_redone")}

@@ -292,7 +292,8 @@ def median_of(runs: list[dict], key: str) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--faults", default="worker,node", help="single-fault recovery runs: worker, node")
+    parser.add_argument("--faults", default="worker,node",
+                        help="single-fault recovery runs: worker, node (none: only the goodput run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fault-step", type=int, default=12)
@@ -304,7 +305,7 @@ def main() -> int:
                         help="checkpoint interval (steps) of the goodput run, on both sides")
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args()
-    faults = [f for f in args.faults.split(",") if f]
+    faults = [f for f in args.faults.split(",") if f and f != "none"]
     bad = [f for f in faults if f not in FAULT_RANK]
     if bad or not 0 < args.fault_step < args.steps:
         parser.error(f"--faults takes {sorted(FAULT_RANK)}; --fault-step must lie in (0, --steps)")

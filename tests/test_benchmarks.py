@@ -17,7 +17,7 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
     for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput",
-                    "## Recovery and goodput: airay vs Ray Train", "## Checkpoint: blocking per save"):
+                    "## Recovery: airay vs Ray Train", "## Checkpoint: blocking per save"):
         assert heading in text
     # Every table row carries a number, and each section names the command that produced it.
     assert text.count("`python benchmarks/") == 5 and "`airay simulate --gpus 1024" in text

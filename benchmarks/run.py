@@ -223,6 +223,9 @@ def render_checkpoint(ck: dict, command: str) -> list[str]:
             f"| airay blocked per save (host snapshot; write, commit, upload in the background) | "
             f"{ck['airay_blocking_s']:.3f} | {_spread(sm['blocking_s'])} | vs local **{ck['blocking_vs_sync_local']:.3f}**, "
             f"vs local+S3 **{ck['blocking_vs_sync_s3']:.3f}** (target ≤ 0.10) |",
+            *([f"| airay waiting for the previous save's commit first (previous_commit_wait_s) | "
+               f"{ck['previous_commit_wait_s']:.3f} | {_spread(sm['previous_commit_wait_s'])} | |"]
+              if "previous_commit_wait_s" in ck else []),
             f"| airay background commit to S3 done (total_s) | {ck['airay_durable_total_s']:.3f} | "
             f"{_spread(sm['durable_total_s'])} | |",
             f"| recovery load from S3 (baseline) | {ck['durable_recovery_load_s']:.3f} | "

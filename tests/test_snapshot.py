@@ -42,8 +42,8 @@ def test_writer_reraises_a_failed_write_unless_the_save_is_thrown_away():
     assert writer.wait(raise_errors=False) == 1 and writer.wait() == 0
 
 
-@pytest.fixture
-def engine():
+@pytest.fixture(params=[1, 3], ids=["zero1", "zero3"])
+def engine(request):
     import deepspeed
     import deepspeed.comm as dist
 
@@ -56,8 +56,11 @@ def engine():
     _disable_cpu_shm_comm()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     model = tiny_gpt.build(d_model=32, n_layers=2, n_heads=2, seq_len=8)
-    cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}},
+    cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": request.param}},
                         BatchPlan(1, 2, 1), on_cpu=True, load_universal=False)
+    from airay.worker import _reset_zero3_globals
+
+    _reset_zero3_globals()
     eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     yield eng
     eng.destroy()

@@ -186,7 +186,9 @@ def ray_train_loop(config: dict) -> None:
 def read_progress(progress_dir: Path) -> list[dict]:
     rows = []
     for p in progress_dir.glob("rank*.jsonl"):
-        rows += [dict(json.loads(line), rank=int(p.stem[4:])) for line in p.read_text().splitlines() if line]
+        # The last line may be half written (a rank appends while this reads): only whole lines.
+        lines = p.read_text().split("\n")[:-1]
+        rows += [dict(json.loads(line), rank=int(p.stem[4:])) for line in lines if line]
     return sorted(rows, key=lambda r: r["ts"])
 
 

@@ -71,7 +71,8 @@ def events(run_dir, type_):
 def test_samples_and_losses_survive_faults_regrow_and_driver_restart(tmp_path, local_cluster):
     lc = local_cluster(nodes=4)
     data_dir = write_token_parquet(tmp_path / "data", ROWS)
-    base = fit(spec(tmp_path, "base", data_dir), echo=False)
+    # No forward delay for the baseline: it paces the faulty runs (a sleep), not the math.
+    base = fit(spec(tmp_path, "base", data_dir, model={"factory": "airay.models.tiny_gpt:build"}), echo=False)
     assert base.status == "finished" and base.final_step == STEPS_PER_EPOCH * EPOCHS and base.world_sizes == [4]
     expected = committed_samples(base.run_dir)
     assert sorted(expected) == list(range(STEPS)) and all(len(ids) == GBS for ids in expected.values())

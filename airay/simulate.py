@@ -89,7 +89,8 @@ def daly_goodput(interval_s: float, checkpoint_s: float, restart_s: float, mtbf_
 
 
 class _Sim:
-    def __init__(self, fleet: Fleet, costs: Costs, policy: str, interval_s: float, seed: int):
+    def __init__(self, fleet: Fleet, costs: Costs, policy: str, interval_s: float, seed: int,
+                 failure_times: tuple[float, ...] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         if fleet.gpus % fleet.gpus_per_node:
@@ -103,13 +104,16 @@ class _Sim:
         self.failures = 0
         self.gpu_s = {"useful": 0.0, "lost": 0.0, "recovery": 0.0, "checkpoint": 0.0}
         self.per_node_rate = fleet.gpus_per_node / (fleet.mtbf_gpu_hours * 3600.0)
+        # A given schedule replaces the random failures (to replay a measured run).
+        self.schedule = sorted(failure_times) if failure_times is not None else None
 
     # A phase is `d` seconds of wall time; it ends early at the first failure of a live node.
     def _phase(self, d: float) -> tuple[float, bool]:
         self._collect_returns()
-        rate = self.alive * self.per_node_rate
-        hit = self.rng.exponential(1.0 / rate) if rate > 0 else math.inf
+        hit = self._next_failure_in()
         if hit < d:
+            if self.schedule is not None:
+                self.schedule.pop(0)
             self.t += hit
             self.alive -= 1
             self.failures += 1
@@ -117,6 +121,14 @@ class _Sim:
             return hit, True
         self.t += d
         return d, False
+
+    def _next_failure_in(self) -> float:
+        if self.schedule is not None:
+            while self.schedule and self.schedule[0] < self.t:
+                self.schedule.pop(0)  # struck while no node was up to fail: nothing to take down
+            return self.schedule[0] - self.t if self.schedule and self.alive > 0 else math.inf
+        rate = self.alive * self.per_node_rate
+        return self.rng.exponential(1.0 / rate) if rate > 0 else math.inf
 
     def _collect_returns(self) -> None:
         while self.returns and self.returns[0] <= self.t:
@@ -176,12 +188,29 @@ class _Sim:
 
 
 def simulate(fleet: Fleet, costs: Costs, policy: str, interval_s: float | None = None,
-             days: float = 14.0, seed: int = 0) -> SimResult:
-    """One simulated run of `days`; `interval_s` None means Daly's optimum for the fleet."""
+             days: float = 14.0, seed: int = 0, failure_times: list[float] | None = None) -> SimResult:
+    """One simulated run of `days`; `interval_s` None means Daly's optimum for the fleet.
+    `failure_times` (seconds from the start) replaces the random failures: one node fails at each."""
     tau = interval_s if interval_s is not None else young_daly_interval(costs.checkpoint_s, fleet.fleet_mtbf_s)
     if tau <= 0:
         raise ValueError(f"checkpoint interval must be > 0 s, got {tau}")
-    return _Sim(fleet, costs, policy, tau, seed).run(days * 86400.0)
+    times = tuple(failure_times) if failure_times is not None else None
+    return _Sim(fleet, costs, policy, tau, seed, times).run(days * 86400.0)
+
+
+def replay_measured(measured: dict, ckpt_every: int) -> SimResult:
+    """The simulator's goodput for a run measured here (benchmarks/raytrain.py's `measured`): the
+    same world, faults at the same moments, its measured step, checkpoint, recovery and
+    replacement times; shrink-and-continue, as airay does. Comparable with the run's window
+    goodput (kept steps at full-world step time / time from the first world formed to the end)."""
+    fleet = Fleet(gpus=measured["full_world"], gpus_per_node=1,
+                  replacement_s=measured["replacement_s"] if measured["replacement_s"] is not None else math.inf,
+                  min_fraction=0.5)
+    # resize_finished's recovery_s ends with the first step at the new size: kept work, not lost.
+    costs = Costs(checkpoint_s=measured["blocking_s"],
+                  warm_recovery_s=max(0.0, measured["recovery_s"] - measured["step_s"]))
+    return simulate(fleet, costs, "shrink", interval_s=ckpt_every * measured["step_s"],
+                    days=measured["window_s"] / 86400.0, failure_times=measured["fault_offsets_s"])
 
 
 def compare(gpu_counts: list[int], fleet: Fleet, costs: Costs, interval_s: float | None = None,

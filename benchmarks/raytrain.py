@@ -44,8 +44,10 @@ import ray  # noqa: E402
 
 from airay import JobConfig, fit  # noqa: E402
 from airay.config import LocalClusterSpec  # noqa: E402
+from airay import goodput  # noqa: E402
 from airay.events import read_jsonl  # noqa: E402
 from airay.local_cluster import LocalCluster  # noqa: E402
+from airay.simulate import replay_measured  # noqa: E402
 
 GLOBAL_BATCH = 24
 MICRO_BATCH = 4
@@ -58,14 +60,15 @@ HEALTH_CHECK_INTERVAL_S = 0.2
 
 # ---- airay ---------------------------------------------------------------------------------------
 
-def airay_run(root: Path, fault: str, steps: int, fault_steps: list[int], local: LocalCluster) -> dict:
+def airay_run(root: Path, fault: str, steps: int, fault_steps: list[int], local: LocalCluster,
+              ckpt_every: int = CKPT_EVERY) -> dict:
     kind = {"worker": "kill_worker", "node": "remove_node"}[fault]
     run = root / f"airay-{fault}-{time.time_ns()}"
     cfg = JobConfig.from_dict({
         "name": run.name, "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": MODEL_KWARGS},
         "loss_fn": "airay.models.tiny_gpt:loss", "deepspeed": DEEPSPEED,
         "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO_BATCH, "max_steps": steps,
-        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": CKPT_EVERY},
+        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": ckpt_every},
         "max_failures": len(fault_steps) + 1,
         "chaos": [{"fault": kind, "at_step": f, "rank": FAULT_RANK[fault]} for f in fault_steps],
         "run_dir": str(run)})
@@ -78,7 +81,33 @@ def airay_run(root: Path, fault: str, steps: int, fault_steps: list[int], local:
     return {"recovery_s": [e["ts"] - t for e, t in zip(shrinks, struck)],
             "steps_redone": sum(f - e["resumed_step"] for f, e in zip(fault_steps, shrinks)),
             "wall_s": result.wall_s, "final_loss": result.final_loss,
-            "goodput": kept_step_time(read_jsonl(run / "metrics.jsonl")) / result.wall_s}
+            "goodput": kept_step_time(read_jsonl(run / "metrics.jsonl")) / result.wall_s,
+            "lost_s": goodput.of_run(run).lost_s, "measured": measured_costs(ev, read_jsonl(run / "metrics.jsonl"))}
+
+
+def measured_costs(events: list[dict], metrics: list[dict]) -> dict:
+    """What the goodput simulator needs to replay this run: its costs as measured here, and when
+    the faults struck (seconds after the first world formed: the simulator has no startup)."""
+    formed = next(e["ts"] for e in events if e["type"] == "world_formed")
+    end = next(e["ts"] for e in events if e["type"] in ("run_finished", "run_failed"))
+    struck = [e["ts"] for e in events if e["type"] == "fault_injected"]
+    ready = [e["ts"] for e in events if e["type"] == "worker_ready" and e["ts"] > formed]
+    full = max(m["world_size"] for m in metrics)
+    return {"window_s": end - formed, "startup_s": formed - events[0]["ts"], "full_world": full,
+            "step_s": statistics.median(m["step_time_s"] for m in metrics if m["world_size"] == full),
+            "blocking_s": statistics.median(e["blocking_s"] for e in events if e["type"] == "checkpoint_saved"),
+            "recovery_s": statistics.median(e["recovery_s"] for e in events
+                                            if e["type"] == "resize_finished" and e["reason"] == "failure"),
+            # None when no replacement came (a node loss with no spare node)
+            "replacement_s": statistics.median(waits) if (waits := [
+                min(r for r in ready if r > t) - t for t in struck if any(r > t for r in ready)]) else None,
+            "fault_offsets_s": [t - formed for t in struck], "kept_steps": len({m["step"] for m in metrics})}
+
+
+def window_goodput(measured: dict) -> float:
+    """Goodput as the simulator counts it: kept steps at the full world's step time, over the time
+    from the first world formed to the end (a smaller world's steps count for less)."""
+    return measured["kept_steps"] * measured["step_s"] / measured["window_s"]
 
 
 # ---- Ray Train -------------------------------------------------------------------------------------
@@ -140,7 +169,7 @@ def ray_train_loop(config: dict) -> None:
         with progress.open("a") as f:
             f.write(json.dumps({"ts": time.time(), "step": step, "pid": os.getpid(), "node": node,
                                 "world": world, "step_time_s": time.time() - t_step}) + "\n")
-        if (step + 1) % CKPT_EVERY == 0 or step + 1 == config["steps"]:
+        if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
             with tempfile.TemporaryDirectory() as tmp:
                 engine.save_checkpoint(tmp, tag="native", save_latest=False)
                 if rank == 0:
@@ -157,7 +186,9 @@ def ray_train_loop(config: dict) -> None:
 def read_progress(progress_dir: Path) -> list[dict]:
     rows = []
     for p in progress_dir.glob("rank*.jsonl"):
-        rows += [dict(json.loads(line), rank=int(p.stem[4:])) for line in p.read_text().splitlines() if line]
+        # The last line may be half written (a rank appends while this reads): only whole lines.
+        lines = p.read_text().split("\n")[:-1]
+        rows += [dict(json.loads(line), rank=int(p.stem[4:])) for line in lines if line]
     return sorted(rows, key=lambda r: r["ts"])
 
 
@@ -189,7 +220,8 @@ def kept_step_time(rows: list[dict]) -> float:
     return sum(last.values())
 
 
-def ray_train_run(root: Path, fault: str, steps: int, fault_steps: list[int], local: LocalCluster) -> dict:
+def ray_train_run(root: Path, fault: str, steps: int, fault_steps: list[int], local: LocalCluster,
+                  ckpt_every: int = CKPT_EVERY) -> dict:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -204,7 +236,7 @@ def ray_train_run(root: Path, fault: str, steps: int, fault_steps: list[int], lo
     watcher = threading.Thread(target=inject_when_ready, args=(progress, fault, fault_steps, local, strikes, stop),
                                daemon=True)
     trainer = TorchTrainer(
-        ray_train_loop, train_loop_config={"steps": steps, "progress_dir": str(progress)},
+        ray_train_loop, train_loop_config={"steps": steps, "progress_dir": str(progress), "ckpt_every": ckpt_every},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=(2, 4), use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=name, storage_path=str(root / "storage"),
@@ -231,7 +263,8 @@ def ray_train_run(root: Path, fault: str, steps: int, fault_steps: list[int], lo
 
 # ---- the comparison ----------------------------------------------------------------------------------
 
-def compare(fault: str, steps: int, fault_steps: list[int], repeats: int, root: Path) -> dict[str, list[dict]]:
+def compare(fault: str, steps: int, fault_steps: list[int], repeats: int, root: Path,
+            ckpt_every: int = CKPT_EVERY) -> dict[str, list[dict]]:
     """Run both sides `repeats` times, alternating, each on a fresh 4-node cluster (a node loss
     leaves 3 nodes behind)."""
     runs: dict[str, list[dict]] = {"airay": [], "ray_train": []}
@@ -240,11 +273,18 @@ def compare(fault: str, steps: int, fault_steps: list[int], repeats: int, root: 
             local = LocalCluster(LocalClusterSpec(local_nodes=4, cpus_per_node=1))
             ray.init(address=local.address, logging_level="ERROR", log_to_driver=False)
             try:
-                runs[side].append(run(root, fault, steps, fault_steps, local))
+                runs[side].append(run(root, fault, steps, fault_steps, local, ckpt_every))
             finally:
                 ray.shutdown()
                 local.shutdown()
     return runs
+
+
+def schedule_fault_steps(steps: int, every: int, ckpt_every: int) -> list[int]:
+    """A fault every `every` steps, each half-way between two checkpoints: the expected loss of a
+    fault that is not correlated with the checkpoints (one at a boundary would cost nothing or a
+    whole interval)."""
+    return list(range(every + ckpt_every // 2, steps, every))
 
 
 def median_of(runs: list[dict], key: str) -> tuple[float, float, float]:
@@ -254,16 +294,20 @@ def median_of(runs: list[dict], key: str) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--faults", default="worker,node", help="single-fault recovery runs: worker, node")
+    parser.add_argument("--faults", default="worker,node",
+                        help="single-fault recovery runs: worker, node (none: only the goodput run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fault-step", type=int, default=12)
     parser.add_argument("--schedule-steps", type=int, default=0,
                         help="also a goodput run of this many steps with a worker killed every --every steps")
     parser.add_argument("--every", type=int, default=40)
+    parser.add_argument("--schedule-repeats", type=int, default=1, help="repeats of the (long) goodput run")
+    parser.add_argument("--schedule-ckpt-every", type=int, default=CKPT_EVERY,
+                        help="checkpoint interval (steps) of the goodput run, on both sides")
     parser.add_argument("--json", help="also write the numbers here")
     args = parser.parse_args()
-    faults = [f for f in args.faults.split(",") if f]
+    faults = [f for f in args.faults.split(",") if f and f != "none"]
     bad = [f for f in faults if f not in FAULT_RANK]
     if bad or not 0 < args.fault_step < args.steps:
         parser.error(f"--faults takes {sorted(FAULT_RANK)}; --fault-step must lie in (0, --steps)")
@@ -273,13 +317,15 @@ def main() -> int:
         for fault in faults:
             out["recovery"][fault] = compare(fault, args.steps, [args.fault_step], args.repeats, Path(tmp))
         if args.schedule_steps:
-            schedule = list(range(args.every, args.schedule_steps, args.every))
+            schedule = schedule_fault_steps(args.schedule_steps, args.every, args.schedule_ckpt_every)
             out["schedule"] = {"fault_steps": schedule,
-                               "runs": compare("worker", args.schedule_steps, schedule, args.repeats, Path(tmp))}
+                               "runs": compare("worker", args.schedule_steps, schedule, args.schedule_repeats, Path(tmp),
+                                               args.schedule_ckpt_every)}
 
-    print(f"recovery: {args.steps} steps, fault at step {args.fault_step}, checkpoint every {CKPT_EVERY}; "
-          f"4 workers on a 4-node local cluster; median of {args.repeats} (min-max)")
-    print(f"{'fault':<7} {'side':<10} {'recovery_s':>22} {'steps_redone':>12} {'wall_s':>20} {'final loss':>12}")
+    if faults:
+        print(f"recovery: {args.steps} steps, fault at step {args.fault_step}, checkpoint every {CKPT_EVERY}; "
+              f"4 workers on a 4-node local cluster; median of {args.repeats} (min-max)")
+        print(f"{'fault':<7} {'side':<10} {'recovery_s':>22} {'steps_redone':>12} {'wall_s':>20} {'final loss':>12}")
     out["median"] = {}
     for fault, sides in out["recovery"].items():
         med = out["median"][fault] = {}
@@ -293,13 +339,25 @@ def main() -> int:
               f"wall {b['wall_s'][0] / a['wall_s'][0]:.2f}x")
     if out["schedule"]:
         sched = out["schedule"]
-        print(f"goodput: {args.schedule_steps} steps, a worker killed at steps {sched['fault_steps']}; "
-              f"goodput = time of kept steps / wall; median of {args.repeats} (min-max)")
+        print(f"goodput: {args.schedule_steps} steps, checkpoint every {args.schedule_ckpt_every}, a worker "
+              f"killed at steps {sched['fault_steps']}; "
+              f"goodput = time of kept steps / wall; median of {args.schedule_repeats} (min-max)")
         gp = out["median"]["schedule"] = {}
         for side, runs in sched["runs"].items():
             gp[side] = {k: median_of(runs, k) for k in ("goodput", "wall_s", "steps_redone")}
             g, w, r = gp[side]["goodput"], gp[side]["wall_s"], gp[side]["steps_redone"]
             print(f"  {side:<10} goodput {g[0]:.3f} ({g[1]:.3f}-{g[2]:.3f})  wall {w[0]:.1f} s  steps redone {r[0]:.0f}")
+            if side == "airay":
+                lost = {c: statistics.median(r["lost_s"][c] for r in runs) for c in runs[0]["lost_s"]}
+                gp[side]["lost_s"] = lost
+                print("             lost s (median): " + ", ".join(f"{c} {v:.1f}" for c, v in lost.items()))
+                pairs = [(replay_measured(r["measured"], args.schedule_ckpt_every).goodput, window_goodput(r["measured"]))
+                         for r in runs]
+                gp["simulator"] = {"predicted": statistics.median(p for p, _ in pairs),
+                                   "measured": statistics.median(m for _, m in pairs)}
+                print(f"             simulator replay of this run (same faults, measured costs): goodput "
+                      f"{gp['simulator']['predicted']:.3f} predicted vs {gp['simulator']['measured']:.3f} "
+                      "measured, from the first world formed")
         print(f"  airay / Ray Train goodput: {gp['airay']['goodput'][0] / gp['ray_train']['goodput'][0]:.2f}x; "
               f"target airay >= 0.9 -> {'met' if gp['airay']['goodput'][0] >= 0.9 else 'MISSED'}")
     if args.json:

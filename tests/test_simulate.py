@@ -88,3 +88,22 @@ def test_decision_benchmark_reduced(tmp_path):
     assert [r["workers"] for r in rows] == [64, 256]
     assert all(0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"] for r in rows)
     assert "decision path at 256 workers" in proc.stdout
+
+
+def test_a_given_failure_schedule_is_replayed_exactly():
+    """One failure at t=25 s, segments of 10 s work + 1 s checkpoint, 2 s recovery, 100 s: by hand,
+    80 GPU-s of two committed segments, 3 s x 4 lost, then 3 GPUs train on (and, once the node is
+    back at 45 s, grow to 4 at the 49 s checkpoint boundary)."""
+    costs = Costs(checkpoint_s=1.0, warm_recovery_s=2.0)
+    never_back = Fleet(gpus=4, gpus_per_node=1, replacement_s=1e9)
+    r = simulate(never_back, costs, "shrink", interval_s=10.0, days=100 / 86400, failure_times=[25.0])
+    assert r.failures == 1
+    # 2 x 40 + six segments of 10 s at 3 GPUs (27..93) + the last 7 s at 3 GPUs, over 4 x 100.
+    assert r.goodput == pytest.approx((80 + 6 * 30 + 21) / 400, abs=1e-9)
+    assert r.lost_work_share == pytest.approx(12 / 400, abs=1e-9)
+    back = replace(never_back, replacement_s=20.0)
+    r = simulate(back, costs, "shrink", interval_s=10.0, days=100 / 86400, failure_times=[25.0])
+    # 80 + 2 x 30 (27..49) + grow 49..51 + four segments at 4 GPUs (51..95) + the last 5 s at 4.
+    assert r.goodput == pytest.approx((80 + 60 + 160 + 20) / 400, abs=1e-9)
+    # Without a schedule the same fleet (MTBF 50,000 h per GPU) does not fail in 100 s.
+    assert simulate(back, costs, "shrink", interval_s=10.0, days=100 / 86400).failures == 0

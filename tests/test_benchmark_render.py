@@ -1,0 +1,28 @@
+"""The goodput section of BENCHMARKS.md, rendered from a run's JSON (the long run itself is not in
+the test suite: it takes ~20 minutes; tests/test_benchmarks.py runs the other sections reduced)."""
+
+from benchmarks.run import render_goodput
+from benchmarks.raytrain import schedule_fault_steps, window_goodput
+
+
+def test_faults_fall_half_way_between_checkpoints():
+    assert schedule_fault_steps(2000, 500, 10) == [505, 1005, 1505]
+    assert schedule_fault_steps(24, 12, 4) == [14]
+
+
+def test_goodput_section_reports_both_sides_lost_time_and_the_simulator():
+    measured = {"window_s": 100.0, "startup_s": 20.0, "full_world": 4, "step_s": 0.25, "blocking_s": 0.05,
+                "recovery_s": 1.0, "replacement_s": 10.0, "fault_offsets_s": [40.0], "kept_steps": 380}
+    assert window_goodput(measured) == 0.95
+    result = {"args": {"schedule_steps": 380, "schedule_ckpt_every": 10, "schedule_repeats": 1},
+              "schedule": {"fault_steps": [205]},
+              "median": {"schedule": {
+                  "airay": {"goodput": [0.8, 0.8, 0.8], "wall_s": [120.0] * 3, "steps_redone": [5] * 3,
+                            "lost_s": {"startup": 20.0, "recovery": 1.0}},
+                  "ray_train": {"goodput": [0.4, 0.4, 0.4], "wall_s": [240.0] * 3, "steps_redone": [5] * 3},
+                  "simulator": {"predicted": 0.93, "measured": 0.95}}}}
+    text = "\n".join(render_goodput(result))
+    assert "| airay | 0.800 | 0.800-0.800 | 120.0 | 5 | 2.00x |" in text
+    assert "| Ray Train | 0.400 |" in text and "startup 20.0, recovery 1.0" in text
+    assert "predicts goodput 0.930" in text and "measured 0.950" in text
+    assert "**not met**" in text

@@ -20,6 +20,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -263,7 +264,9 @@ def main() -> int:
             if only and name not in only:
                 sections[name] = json.loads(stored.read_text()) if stored.exists() else None
                 continue
+            started = time.perf_counter()
             sections[name] = run_section(name, args.reduced, Path(tmp))
+            print(f"[bench] {name}: {time.perf_counter() - started:.0f} s", flush=True)
             if not args.reduced:
                 RESULTS.mkdir(exist_ok=True)
                 stored.write_text(json.dumps(sections[name], indent=1))

@@ -16,12 +16,10 @@ Samples/s per worker: rows a worker received over the time from its first to its
 sum(data_wait_s) / sum(step_time_s) over its steps after the first round (the first round
 includes the pipeline's start-up).
 
-Known problem (open in issue 3): at the default size (60,000 rows, ~940 steps in rounds of 10)
-the airay side hangs, twice out of two tries: one consumer's prefetch thread waits in ray.get of
-a block reference for good while the feeder sits at capacity. Re-asking with a timeout (5 s
-doubling to 120 s) did not help, so the block is not reachable rather than its pull lost.
-`--reduced` (8,000 rows) completes. In training the worker's hang detection would kill and
-replace such a rank. Not in the suite runner until the cause is found.
+At the default size this run used to hang on the airay side: Ray Data dropped its reader actors
+once they had read every window, while the feeder still held blocks they had produced, and a
+worker's fetch of such a block never returned. The feeder now keeps its readers alive while their
+blocks may be fetched (airay.reader.ReaderKeeper; tests/test_data_scale.py checks it).
 
 Usage: python benchmarks/data.py [--workers 2] [--rows 60000] [--repeats 3] [--reduced] [--json F]
 Targets: airay / plain >= 0.8 per worker; data wait < 5% of step time.

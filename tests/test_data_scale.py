@@ -139,7 +139,7 @@ def test_blocks_stay_fetchable_after_ray_data_releases_its_readers(tmp_path, sma
     try:
         steps = feeder.steps(0, cfg.max_steps)
         feeder._thread.join()  # the producer has closed the pipeline: Ray Data released its readers
-        got = ray.get(fetcher.fetch.remote(steps, 0, plan_batch(gbs, 8, 1).__dict__), timeout=120)
+        got = ray.get(fetcher.fetch.remote(steps, 0, plan_batch(gbs, 8, 1).__dict__), timeout=60)  # a hang fails
     finally:
         feeder.close()
         ray.kill(fetcher)

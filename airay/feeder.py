@@ -26,14 +26,11 @@ import numpy as np
 
 from airay.config import JobConfig, resolve_callable
 from airay.parquet import DataError, scan
-from airay.reader import ReaderKeeper, Stream, WindowAssembler, WindowReader, finish_batch, make_batch
+from airay.reader import Stream, WindowAssembler, WindowReader, finish_batch, make_batch
 from airay.sampling import EpochLayout, check_batch_schema, data_stalled
 
 SCHEMA_PROBE_ROWS = 4
 PIPELINE_RETRIES = 2  # pipeline failures per run tolerated before the run fails
-# Pipeline runs whose readers are kept alive: the current one and the one before it (workers may
-# still be fetching blocks of the previous run when the pipeline restarts).
-KEPT_RUNS = 2
 # Pieces of one global step: (ObjectRef of a Ray Data block, first row, end row).
 Piece = tuple[Any, int, int]
 
@@ -133,7 +130,6 @@ class Feeder:
         self.stream, self.max_steps, self.capacity, self.readers = stream, max_steps, capacity, readers
         self.dataset = dataset  # a user's ray.data.Dataset (stream.dataset is None then)
         self._assembler = None
-        self._keepers: deque = deque()  # ReaderKeeper actors of the last KEPT_RUNS pipeline runs
         self._cv = threading.Condition()
         self._ready: dict[int, list[Piece]] = {}
         self._low = 0         # steps below this were dropped (or never produced)
@@ -201,13 +197,11 @@ class Feeder:
             self._generation += 1
             self._ready.clear()
             self._cv.notify_all()
-        import ray
-
         if self._assembler is not None:
+            import ray
+
             ray.kill(self._assembler)
             self._assembler = None
-        while self._keepers:
-            ray.kill(self._keepers.popleft())
 
     # ---- the producer ---------------------------------------------------------------------
 
@@ -342,15 +336,9 @@ class Feeder:
         # live on the driver's node, which outlives the workers' nodes; restarting a dead one
         # is left to the feeder (which restarts the pipeline), not to Ray.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        keeper = ray.remote(ReaderKeeper).options(num_cpus=0, scheduling_strategy=here).remote()
-        with self._cv:
-            self._keepers.append(keeper)
-            while len(self._keepers) > KEPT_RUNS:
-                ray.kill(self._keepers.popleft())
         with warnings.catch_warnings():  # ray 2.60 deprecates these "ray_remote_args" without a successor yet
             warnings.simplefilter("ignore")
-            ds = ds.map_batches(WindowReader, fn_constructor_kwargs={"stream": self.stream, "keeper": keeper},
-                                batch_size=1,
+            ds = ds.map_batches(WindowReader, fn_constructor_kwargs={"stream": self.stream}, batch_size=1,
                                 batch_format="numpy", zero_copy_batch=True,
                                 compute=ray.data.ActorPoolStrategy(size=self.readers),
                                 num_cpus=0, scheduling_strategy=here, max_restarts=0)

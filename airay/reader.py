@@ -64,18 +64,11 @@ def finish_batch(batch: dict[str, np.ndarray], ids: np.ndarray, preprocess: str 
 
 
 class WindowReader:
-    """Ray Data map UDF: a window descriptor {epoch, window} -> that window's rows, in order.
+    """Ray Data map UDF: a window descriptor {epoch, window} -> that window's rows, in order."""
 
-    Each reader hands its own actor handle to the feeder's ReaderKeeper, so that it outlives
-    Ray Data's pool: see ReaderKeeper."""
-
-    def __init__(self, stream: Stream, keeper=None):
+    def __init__(self, stream: Stream):
         self.stream = stream
         self.groups = RowGroupCache(stream.cache_bytes)
-        if keeper is not None:
-            import ray
-
-            ray.get(keeper.keep.remote(ray.get_runtime_context().current_actor))
 
     def __call__(self, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         epoch, window = int(item["epoch"][0]), int(item["window"][0])
@@ -93,25 +86,6 @@ def bytes_to_uint8(batch: dict[str, np.ndarray], columns: list[str]) -> dict[str
         out[name] = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(len(values), -1) if len(values) \
             else np.zeros((0, 0), np.uint8)
     return out
-
-
-class ReaderKeeper:
-    """Ray actor body (num_cpus=0, on the driver's node): holds a handle to each reader actor
-    of one pipeline run until the feeder no longer hands out that run's blocks.
-
-    Ray Data drops its pool's actors as soon as they have consumed every input window, while
-    the feeder still holds blocks they produced and gives them to workers round by round. A
-    block whose reader actor has exited can no longer be fetched from another node: the
-    worker's ray.get waits for good (benchmarks/data.py hung so at 60,000 rows). Holding the
-    handles here keeps the readers alive past Ray Data's release; killing this actor lets
-    them go."""
-
-    def __init__(self) -> None:
-        self._readers: list = []
-
-    def keep(self, reader) -> int:
-        self._readers.append(reader)
-        return len(self._readers)
 
 
 class WindowAssembler:

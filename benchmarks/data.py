@@ -16,10 +16,11 @@ Samples/s per worker: rows a worker received over the time from its first to its
 sum(data_wait_s) / sum(step_time_s) over its steps after the first round (the first round
 includes the pipeline's start-up).
 
-At the default size this run used to hang on the airay side: Ray Data dropped its reader actors
-once they had read every window, while the feeder still held blocks they had produced, and a
-worker's fetch of such a block never returned. The feeder now keeps its readers alive while their
-blocks may be fetched (airay.reader.ReaderKeeper; tests/test_data_scale.py checks it).
+Known problem (open in issue 3): the default size hung on the airay side in earlier runs (a
+worker's ray.get of a block never returned, a fetch that began just after Ray Data let the
+block's reader actor go). Not reproduced since the readers keep decoded row groups and workers
+fetch each block once (6 runs of 3 repeats at 60,000 rows); the cause is not established
+(tests/test_data_scale.py shows a fetch after the readers are gone works).
 
 Usage: python benchmarks/data.py [--workers 2] [--rows 60000] [--repeats 3] [--reduced] [--json F]
 Targets: airay / plain >= 0.8 per worker; data wait < 5% of step time.

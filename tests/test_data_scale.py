@@ -120,8 +120,9 @@ class Fetcher:
 def test_blocks_stay_fetchable_after_ray_data_releases_its_readers(tmp_path, small_store_cluster):
     """Ray Data drops its reader actors once they have read every window, while the feeder still
     holds blocks it has not handed out yet. A worker on another node fetches every step only
-    after the pipeline has closed, and gets each step's rows. (Before the feeder kept its readers
-    alive, such a fetch waited for good: benchmarks/data.py hung at its default size.)"""
+    after the pipeline has closed (its readers gone) and gets each step's rows. (A suspect in
+    benchmarks/data.py's hang at its default size, where a fetch began just after Ray Data let
+    the block's reader go and never returned; this test passes, so that alone is not the cause.)"""
     from airay.feeder import Feeder, prepare
     from airay.policy import plan_batch
     from tests.test_data_stream import write_token_parquet

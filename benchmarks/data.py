@@ -19,7 +19,7 @@ includes the pipeline's start-up).
 Known problem (open in issue 3): the default size hung on the airay side in earlier runs (a
 worker's ray.get of a block never returned, a fetch that began just after Ray Data let the
 block's reader actor go). Not reproduced since the readers keep decoded row groups and workers
-fetch each block once (6 runs of 3 repeats at 60,000 rows); the cause is not established
+fetch each block once (2 runs of 3 repeats at 60,000 rows); the cause is not established
 (tests/test_data_scale.py shows a fetch after the readers are gone works).
 
 Usage: python benchmarks/data.py [--workers 2] [--rows 60000] [--repeats 3] [--reduced] [--json F]

@@ -189,7 +189,8 @@ def render_goodput(rt: dict) -> list[str]:
                          "same moments, this run's measured step, checkpoint, recovery and replacement times) "
                          f"predicts goodput {sim['predicted']:.3f} from the first world formed to the end; the "
                          f"run measured {sim['measured']:.3f} over the same window (kept steps at the full "
-                         "world's step time / window).")
+                         "world's step time / window). The simulator leaves out the driver's time between rounds "
+                         "(most of 'other' above) and steps slower than the median.")
         met = "met" if gp["airay"]["goodput"][0] >= 0.9 else "not met"
         lines.append(f"\nTarget airay goodput ≥ 0.9: **{met}**.")
     return lines

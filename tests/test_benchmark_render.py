@@ -26,3 +26,15 @@ def test_goodput_section_reports_both_sides_lost_time_and_the_simulator():
     assert "| Ray Train | 0.400 |" in text and "startup 20.0, recovery 1.0" in text
     assert "predicts goodput 0.930" in text and "measured 0.950" in text
     assert "**not met**" in text
+
+
+def test_data_section_reports_both_sides_the_ratio_and_the_wait_share():
+    from benchmarks.run import render_data
+
+    result = {"workers": 2, "rows": 60000, "repeats": 3, "plain": [3483.0, 5188.0, 4027.0],
+              "airay": [7673.0, 6698.0, 7153.0], "plain_median": 4027.0, "airay_median": 7153.0,
+              "ratio": 7153.0 / 4027.0, "data_wait_share": 0.0001, "fit_steps": 60}
+    text = "\n".join(render_data(result))
+    assert "| plain DataLoader (baseline) | 4027 | 3483-5188 | 1 |" in text
+    assert "| airay (Ray Data path) | 7153 | 6698-7673 | **1.78** (target ≥ 0.8) |" in text
+    assert "60,000 rows" in text and "**0.01%** (target < 5%)" in text

@@ -91,6 +91,8 @@ class DataSpec(_Spec):
     chunk_rows: int = Field(1024, ge=1, description="rows read together; chunk order is shuffled per epoch")
     window_steps: int = Field(8, ge=1, description="rows are shuffled within windows of this many steps")
     readers: int = Field(2, ge=1, description="reader actors of the Ray Data pipeline (num_cpus=0 each)")
+    reader_cache_mb: int = Field(256, ge=0, description="decoded row groups each reader keeps (MiB): a window "
+                                 "takes a few hundred rows out of row groups of thousands")
     prefetch_steps: int = Field(2, ge=0, description="steps each worker fetches ahead of the one it trains")
     record_sample_ids: bool = Field(False, description="write samples.jsonl: each committed step's sample ids")
 

@@ -60,6 +60,7 @@ class StreamedSource:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="airay-prefetch")
         self._futures: dict[int, Any] = {}
         self._key: tuple | None = None
+        self._blocks = BlockCache()  # only the prefetch thread uses it
 
     def feed(self, steps: dict[int, list], rank: int, plan: BatchPlan) -> None:
         if self._key != (rank, plan):  # another world: the rank's rows of a step differ
@@ -67,7 +68,7 @@ class StreamedSource:
             self._key = (rank, plan)
         for step in sorted(steps):
             if step not in self._futures:
-                self._futures[step] = self._pool.submit(fetch_rank_batches, steps[step], rank, plan)
+                self._futures[step] = self._pool.submit(fetch_rank_batches, steps[step], rank, plan, self._blocks)
 
     def micro_batches(self, step: int, rank: int, plan: BatchPlan) -> list[dict[str, torch.Tensor]]:
         for s in [s for s in self._futures if s < step]:
@@ -77,19 +78,38 @@ class StreamedSource:
         return self._futures.pop(step).result()
 
 
-def fetch_rank_batches(pieces: list, rank: int, plan: BatchPlan) -> list[dict[str, torch.Tensor]]:
+class BlockCache:
+    """The last few blocks a worker fetched, as arrow tables: a block holds the rows of several
+    consecutive steps (a window), so each is fetched and converted once, not once per step."""
+
+    def __init__(self, size: int = 2):
+        self.size, self._tables = size, {}
+
+    def table(self, ref):
+        import ray
+        from ray.data.block import BlockAccessor
+
+        key = ref.binary()
+        if key not in self._tables:
+            if len(self._tables) >= self.size:
+                del self._tables[next(iter(self._tables))]  # the oldest: windows come in order
+            self._tables[key] = BlockAccessor.for_block(ray.get(ref)).to_arrow()  # Ray Data blocks may be pandas too
+        return self._tables[key]
+
+
+def fetch_rank_batches(pieces: list, rank: int, plan: BatchPlan,
+                       blocks: BlockCache | None = None) -> list[dict[str, torch.Tensor]]:
     """`rank`'s micro-batches of a step whose rows are `pieces` [(block ref, lo, hi), ...]."""
     import pyarrow as pa
-    import ray
     from ray.data.block import BlockAccessor
 
+    blocks = blocks or BlockCache()
     want_lo, want_hi = rank_rows(plan, rank)
     parts, pos = [], 0
     for ref, lo, hi in pieces:
         a, b = max(want_lo, pos), min(want_hi, pos + hi - lo)
         if a < b:
-            table = BlockAccessor.for_block(ray.get(ref)).to_arrow()  # Ray Data blocks may be pandas too
-            parts.append(table.slice(lo + a - pos, b - a))
+            parts.append(blocks.table(ref).slice(lo + a - pos, b - a))
         pos += hi - lo
     table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
     columns = BlockAccessor.for_block(table).to_batch_format("numpy")

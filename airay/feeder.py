@@ -60,7 +60,8 @@ def prepare(config: JobConfig) -> tuple[JobConfig, Stream | None]:
         raise DataError(f"data.paths hold {dataset.rows} rows, fewer than global_batch_size "
                         f"{config.global_batch_size}: not one step per epoch; add data or lower global_batch_size")
     config = resolve_max_steps(config, layout.steps_per_epoch)
-    stream = Stream(dataset, layout, spec.preprocess, spec.preprocess_kwargs, dataset.fingerprint)
+    stream = Stream(dataset, layout, spec.preprocess, spec.preprocess_kwargs, dataset.fingerprint,
+                    spec.reader_cache_mb * 1024**2)
     probe = np.arange(min(SCHEMA_PROBE_ROWS, dataset.rows))
     check_probe(config, lambda: make_batch(dataset, probe, spec.preprocess, spec.preprocess_kwargs),
                 f"the first rows of '{dataset.files[0].path}'")

@@ -59,8 +59,9 @@ class ParquetDataset:
     def filesystem(self) -> pafs.FileSystem:
         return _filesystem(self.uri)[0]
 
-    def read_rows(self, ids: np.ndarray) -> pa.Table:
-        """The rows `ids` (global row ids), in that order, with this dataset's columns."""
+    def read_rows(self, ids: np.ndarray, groups: "RowGroupCache | None" = None) -> pa.Table:
+        """The rows `ids` (global row ids), in that order, with this dataset's columns; the
+        row groups that hold them come from `groups` when given (and are kept there)."""
         fs = self.filesystem()
         offsets = np.cumsum([0] + [f.rows for f in self.files])
         order = np.argsort(ids, kind="stable")
@@ -71,18 +72,50 @@ class ParquetDataset:
             in_file = sorted_ids[(sorted_ids >= offsets[i]) & (sorted_ids < offsets[i + 1])] - offsets[i]
             group_ends = np.cumsum(f.group_rows)
             group_of = np.searchsorted(group_ends, in_file, side="right")
-            groups = np.unique(group_of)
-            with fs.open_input_file(f.path) as fh:
-                table = pq.ParquetFile(fh).read_row_groups(groups.tolist(), columns=list(self.columns))
+            groups_read = np.unique(group_of)
+            if groups is None:
+                with fs.open_input_file(f.path) as fh:
+                    table = pq.ParquetFile(fh).read_row_groups(groups_read.tolist(), columns=list(self.columns))
+            else:
+                tables = [groups.get(self, int(i), int(g)) for g in groups_read]
+                table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
             # Where each read row group starts inside `table`, then each wanted row's index in it.
-            read_start = np.cumsum([0] + [f.group_rows[g] for g in groups[:-1]])
+            read_start = np.cumsum([0] + [f.group_rows[g] for g in groups_read[:-1]])
             group_start = group_ends - np.asarray(f.group_rows)
-            at = read_start[np.searchsorted(groups, group_of)] + in_file - group_start[group_of]
+            at = read_start[np.searchsorted(groups_read, group_of)] + in_file - group_start[group_of]
             parts.append(table.take(pa.array(at)))
         table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
         return table.take(pa.array(inverse))
+
+
+class RowGroupCache:
+    """Decoded row groups a reader read last, up to `max_bytes` (least recently used go first).
+
+    A shuffled epoch reads windows of a few hundred rows out of row groups that often hold
+    thousands: without it, each row group is decoded once per window that touches it (8 times
+    over for row groups of 4096 rows and windows of 512)."""
+
+    def __init__(self, max_bytes: int):
+        from collections import OrderedDict
+
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._groups: OrderedDict = OrderedDict()
+
+    def get(self, dataset: ParquetDataset, file: int, group: int) -> pa.Table:
+        key = (dataset.files[file].path, group)
+        if key in self._groups:
+            self._groups.move_to_end(key)
+            return self._groups[key]
+        with dataset.filesystem().open_input_file(dataset.files[file].path) as fh:
+            table = pq.ParquetFile(fh).read_row_group(group, columns=list(dataset.columns))
+        if table.nbytes <= self.max_bytes:
+            self._groups[key] = table
+            self.bytes += table.nbytes
+            while self.bytes > self.max_bytes:
+                self.bytes -= self._groups.popitem(last=False)[1].nbytes
+        return table
 
 
 def _filesystem(path: str) -> tuple[pafs.FileSystem, str]:

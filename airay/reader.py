@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from airay.config import resolve_callable
-from airay.parquet import DataError, ParquetDataset, to_numpy
+from airay.parquet import DataError, ParquetDataset, RowGroupCache, to_numpy
 from airay.sampling import EpochLayout
 
 
@@ -24,6 +24,7 @@ class Stream:
     preprocess: str | None
     preprocess_kwargs: dict[str, Any]
     fingerprint: str
+    cache_bytes: int = 0  # decoded row groups each reader keeps
 
     def position(self, step: int) -> dict[str, Any]:
         epoch, in_epoch = self.layout.position(step)
@@ -33,9 +34,9 @@ class Stream:
 
 
 def make_batch(dataset: ParquetDataset, ids: np.ndarray, preprocess: str | None,
-               preprocess_kwargs: dict[str, Any]) -> dict[str, np.ndarray]:
+               preprocess_kwargs: dict[str, Any], groups: RowGroupCache | None = None) -> dict[str, np.ndarray]:
     """Rows `ids` as a preprocessed batch of numpy arrays, plus their `sample_id`s."""
-    return finish_batch(to_numpy(dataset.read_rows(ids)), ids, preprocess, preprocess_kwargs)
+    return finish_batch(to_numpy(dataset.read_rows(ids, groups)), ids, preprocess, preprocess_kwargs)
 
 
 def finish_batch(batch: dict[str, np.ndarray], ids: np.ndarray, preprocess: str | None,
@@ -67,11 +68,13 @@ class WindowReader:
 
     def __init__(self, stream: Stream):
         self.stream = stream
+        self.groups = RowGroupCache(stream.cache_bytes)
 
     def __call__(self, item: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         epoch, window = int(item["epoch"][0]), int(item["window"][0])
         ids = self.stream.layout.window_rows(epoch, window)
-        return make_batch(self.stream.dataset, ids, self.stream.preprocess, self.stream.preprocess_kwargs)
+        return make_batch(self.stream.dataset, ids, self.stream.preprocess, self.stream.preprocess_kwargs,
+                          self.groups)
 
 
 def bytes_to_uint8(batch: dict[str, np.ndarray], columns: list[str]) -> dict[str, np.ndarray]:

@@ -16,12 +16,11 @@ Samples/s per worker: rows a worker received over the time from its first to its
 sum(data_wait_s) / sum(step_time_s) over its steps after the first round (the first round
 includes the pipeline's start-up).
 
-Known problem (open in issue 3): at the default size (60,000 rows, ~940 steps in rounds of 10)
-the airay side hangs, twice out of two tries: one consumer's prefetch thread waits in ray.get of
-a block reference for good while the feeder sits at capacity. Re-asking with a timeout (5 s
-doubling to 120 s) did not help, so the block is not reachable rather than its pull lost.
-`--reduced` (8,000 rows) completes. In training the worker's hang detection would kill and
-replace such a rank. Not in the suite runner until the cause is found.
+Known problem (open in issue 3): the default size hung on the airay side in earlier runs (a
+worker's ray.get of a block never returned, a fetch that began just after Ray Data let the
+block's reader actor go). Not reproduced since the readers keep decoded row groups and workers
+fetch each block once (2 runs of 3 repeats at 60,000 rows); the cause is not established
+(tests/test_data_scale.py shows a fetch after the readers are gone works).
 
 Usage: python benchmarks/data.py [--workers 2] [--rows 60000] [--repeats 3] [--reduced] [--json F]
 Targets: airay / plain >= 0.8 per worker; data wait < 5% of step time.

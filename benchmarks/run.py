@@ -20,6 +20,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -34,6 +35,7 @@ FULL = {
     # Long on purpose (2000 steps, ~9 min for airay, ~12 for Ray Train): startup must not dominate.
     "goodput": ["--faults", "none", "--schedule-steps", "2000", "--every", "500", "--schedule-ckpt-every", "10"],
     "checkpoint": ["--repeats", "3"],
+    "data": ["--repeats", "3"],
 }
 SCRIPT = {"goodput": "raytrain"}  # sections run by another section's script
 REDUCED = {
@@ -42,6 +44,7 @@ REDUCED = {
     "decision": ["--workers", "256", "--repeats", "3"],
     "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "12", "--fault-step", "7"],
     "checkpoint": ["--reduced"],
+    "data": ["--reduced"],
 }
 SIMULATE_FULL = ["--gpus", "1024,4096,16384", "--days", "14", "--repeats", "5"]
 SIMULATE_REDUCED = ["--gpus", "1024", "--days", "2", "--repeats", "1"]
@@ -222,6 +225,21 @@ def render_checkpoint(ck: dict) -> list[str]:
             "(target ≥ 3x) |"]
 
 
+def render_data(d: dict) -> list[str]:
+    """Samples/s per worker through airay's Ray Data path vs plain DataLoaders (benchmarks/data.py)."""
+    return [f"{d['rows']:,} rows of 129 int32 tokens in 4 parquet files, {d['workers']} workers on a local cluster. "
+            "Baseline: one torch DataLoader per rank (one loader process, pyarrow batches, no shuffle) over its "
+            "share of the files, all ranks at once. airay: the feeder's Ray Data pipeline (shuffled windows, "
+            "reader actors) to worker actors that take their rank's rows as tensors. Samples/s per worker from "
+            "its first to its last batch.", "",
+            "| | samples/s per worker (median) | spread | ratio |", "| --- | --- | --- | --- |",
+            f"| plain DataLoader (baseline) | {d['plain_median']:.0f} | {_spread(d['plain'], 0)} | 1 |",
+            f"| airay (Ray Data path) | {d['airay_median']:.0f} | {_spread(d['airay'], 0)} | "
+            f"**{d['ratio']:.2f}** (target ≥ 0.8) |", "",
+            f"Data wait share of step time, demo model, {d['workers']} workers, {d['fit_steps']} steps (after the "
+            f"first round): **{d['data_wait_share']:.2%}** (target < 5%)."]
+
+
 RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md's order
     "recovery": ("Recovery: warm re-form vs cold restart", render_recovery),
     "overhead": ("Overhead: airay vs plain DeepSpeed", render_overhead),
@@ -229,6 +247,7 @@ RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md'
     "raytrain": ("Recovery: airay vs Ray Train's elastic TorchTrainer", render_raytrain),
     "goodput": ("Goodput under a failure schedule: airay vs Ray Train", render_goodput),
     "checkpoint": ("Checkpoint: blocking per save and recovery per tier", render_checkpoint),
+    "data": ("Data path: airay's Ray Data stream vs a plain torch DataLoader", render_data),
     "simulate": ("Simulated goodput on large fleets (`airay simulate`)", render_simulate),
 }
 
@@ -276,7 +295,9 @@ def main() -> int:
             if only and name not in only:
                 sections[name] = json.loads(stored.read_text()) if stored.exists() else None
                 continue
+            started = time.perf_counter()
             sections[name] = run_section(name, args.reduced, Path(tmp))
+            print(f"[bench] {name}: {time.perf_counter() - started:.0f} s", flush=True)
             if not args.reduced:
                 RESULTS.mkdir(exist_ok=True)
                 stored.write_text(json.dumps(sections[name], indent=1))

@@ -41,3 +41,15 @@ def test_checkpoint_section_has_both_baselines_and_the_ratios():
     assert "300 MiB" in text and "| DeepSpeed sync save, local dir (baseline) | 0.500 | - | 1 |" in text
     assert "| 0.050 | 0.040-0.070 | vs local **0.100**, vs local+S3 **0.006** (target ≤ 0.10) |" in text
     assert "S3 / memory **7.00x**" in text
+
+
+def test_data_section_reports_both_sides_the_ratio_and_the_wait_share():
+    from benchmarks.run import render_data
+
+    result = {"workers": 2, "rows": 60000, "repeats": 3, "plain": [3483.0, 5188.0, 4027.0],
+              "airay": [7673.0, 6698.0, 7153.0], "plain_median": 4027.0, "airay_median": 7153.0,
+              "ratio": 7153.0 / 4027.0, "data_wait_share": 0.0001, "fit_steps": 60}
+    text = "\n".join(render_data(result))
+    assert "| plain DataLoader (baseline) | 4027 | 3483-5188 | 1 |" in text
+    assert "| airay (Ray Data path) | 7153 | 6698-7673 | **1.78** (target ≥ 0.8) |" in text
+    assert "60,000 rows" in text and "**0.01%** (target < 5%)" in text

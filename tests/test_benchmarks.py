@@ -17,10 +17,10 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
     for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput",
-                    "## Recovery: airay vs Ray Train", "## Checkpoint: blocking per save"):
+                    "## Recovery: airay vs Ray Train", "## Checkpoint: blocking per save", "## Data path"):
         assert heading in text
     # Every table row carries a number, and each section names the command that produced it.
-    assert text.count("`python benchmarks/") == 5 and "`airay simulate --gpus 1024" in text
+    assert text.count("`python benchmarks/") == 6 and "`airay simulate --gpus 1024" in text
     assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text
     # Warm recovery's parts are measured and add up to less than a cold start of the same checkpoint.
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
@@ -42,3 +42,6 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     sync_s3 = float(ck["DeepSpeed sync save + S3 upload"][1])
     blocked = next(float(c[1]) for k, c in ck.items() if k.startswith("airay blocked"))
     assert blocked < sync_s3
+    # The data path delivered rows on both sides and its demo fit measured a data wait share.
+    assert float(cells["plain DataLoader (baseline)"][1]) > 0 and float(cells["airay (Ray Data path)"][1]) > 0
+    assert "`python benchmarks/data.py --reduced`" in text and "Data wait share of step time" in text

@@ -34,7 +34,7 @@ import pytest
 from airay import JobConfig
 from airay.config import ConfigError
 from airay.feeder import prepare
-from airay.parquet import DataError, scan
+from airay.parquet import DataError, RowGroupCache, scan
 from airay.sampling import EpochLayout, check_batch_schema, data_stalled
 
 
@@ -108,6 +108,19 @@ def test_scan_reads_rows_in_any_order_across_files_and_row_groups(tmp_path):
     assert ds.rows == 120 and [f.path.rsplit("/", 1)[1] for f in ds.files] == ["a.parquet", "b.parquet"]
     ids = np.random.default_rng(0).permutation(120)[:50]
     assert ds.read_rows(ids).column("row").to_numpy().tolist() == ids.tolist()
+
+
+def test_row_group_cache_gives_the_same_rows_and_stays_within_its_bytes(tmp_path):
+    write(tmp_path / "b.parquet", tokens_table(50, start=70), row_group_size=16)
+    write(tmp_path / "a.parquet", tokens_table(70), row_group_size=16)
+    ds = scan([str(tmp_path)], ["row", "tokens"])
+    group_bytes = ds.read_rows(np.arange(16)).nbytes  # one full row group of a.parquet
+    cache = RowGroupCache(3 * group_bytes)
+    for seed in range(6):  # windows of a shuffled order: some row groups again, some new
+        ids = np.random.default_rng(seed).permutation(120)[:20]
+        assert ds.read_rows(ids, cache).equals(ds.read_rows(ids)), seed
+        assert 0 < cache.bytes <= 3 * group_bytes
+    assert ds.read_rows(np.arange(120), RowGroupCache(0)).column("row").to_numpy().tolist() == list(range(120))
 
 
 def test_epochs_set_max_steps_and_the_batch_is_checked_against_the_model(tmp_path):

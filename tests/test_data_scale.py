@@ -99,3 +99,53 @@ def test_a_ray_dataset_passed_to_fit_streams_each_row_once_per_epoch(tmp_path, s
     for epoch in (0, 1):
         assert sorted(i for s in range(epoch * 12, epoch * 12 + 12) for i in samples[s]) == list(range(rows))
     assert_released()
+
+
+class Fetcher:
+    """A training worker's data path without the model: fetch a rank's rows of given steps."""
+
+    def fetch(self, steps, rank, plan):
+        from airay.data import fetch_rank_batches
+        from airay.policy import BatchPlan
+
+        plan = BatchPlan(**plan)
+        out = {}
+        for step, pieces in steps.items():
+            batches = fetch_rank_batches(pieces, rank, plan)
+            out[step] = (np.concatenate([b["sample_id"].numpy() for b in batches]),
+                         np.concatenate([b["tokens"].numpy() for b in batches]))
+        return out
+
+
+def test_blocks_stay_fetchable_after_ray_data_releases_its_readers(tmp_path, small_store_cluster):
+    """Ray Data drops its reader actors once they have read every window, while the feeder still
+    holds blocks it has not handed out yet. A worker on another node fetches every step only
+    after the pipeline has closed (its readers gone) and gets each step's rows. (A suspect in
+    benchmarks/data.py's hang at its default size, where a fetch began just after Ray Data let
+    the block's reader go and never returned; this test passes, so that alone is not the cause.)"""
+    from airay.feeder import Feeder, prepare
+    from airay.policy import plan_batch
+    from tests.test_data_stream import write_token_parquet
+
+    rows, gbs, seq_len = 256, 16, 32
+    write_token_parquet(tmp_path / "data", rows, files=2, seq_len=seq_len)
+    cfg = JobConfig.from_dict({
+        "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"seq_len": seq_len}},
+        "loss_fn": "airay.models.tiny_gpt:loss", "global_batch_size": gbs, "micro_batch_size": 8,
+        "data": {"source": "parquet", "paths": [str(tmp_path / "data")], "columns": ["tokens"], "epochs": 1,
+                 "window_steps": 2, "chunk_rows": 32}})
+    cfg, stream = prepare(cfg)
+    feeder = Feeder(stream, cfg.max_steps, capacity=cfg.max_steps)
+    fetcher = ray.remote(Fetcher).options(num_cpus=1).remote()  # on a worker node: the head has no CPU
+    try:
+        steps = feeder.steps(0, cfg.max_steps)
+        feeder._thread.join()  # the producer has closed the pipeline: Ray Data released its readers
+        got = ray.get(fetcher.fetch.remote(steps, 0, plan_batch(gbs, 8, 1).__dict__), timeout=60)  # a hang fails
+    finally:
+        feeder.close()
+        ray.kill(fetcher)
+    assert sorted(got) == list(range(rows // gbs))
+    for step, (ids, tokens) in got.items():
+        assert sorted(ids.tolist()) == sorted(stream.layout.step_rows(step).tolist())
+        start, stride = (ids * 7) % 256, 1 + ids % 7  # what write_token_parquet wrote for these rows
+        assert np.array_equal(tokens, (start[:, None] + stride[:, None] * np.arange(seq_len + 1)) % 256)

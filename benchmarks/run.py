@@ -89,7 +89,7 @@ def render(sections: dict[str, dict | None], reduced: bool) -> str:
         section = sections.get(name)
         if section is None:
             if not reduced:
-                lines += [f"## {title}", "", f"Not run yet: `{full_command(name)}`.", ""]
+                lines += [f"## {title}", "", f"Not run yet: `{command(name)}`.", ""]
             continue
         source = f"`{section['command']}` (run on {section['date']})"
         lines += [f"## {title}", "", *renderer(section["result"]), "", source, ""]
@@ -252,28 +252,25 @@ RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md'
 }
 
 
-def full_command(name: str) -> str:
+def command(name: str, reduced: bool = False) -> str:
+    """The command line a section runs (and BENCHMARKS.md shows under it)."""
     if name == "simulate":
-        return f"airay simulate {' '.join(SIMULATE_FULL)}"
-    return f"python benchmarks/{SCRIPT.get(name, name)}.py {' '.join(FULL[name])}"
+        return f"airay simulate {' '.join(SIMULATE_REDUCED if reduced else SIMULATE_FULL)}"
+    return f"python benchmarks/{SCRIPT.get(name, name)}.py {' '.join((REDUCED if reduced else FULL)[name])}"
 
 
 def run_section(name: str, reduced: bool, tmp: Path) -> dict:
     """Run one section's script; returns {"result", "command", "date", "machine"}."""
+    line = command(name, reduced)
+    print(f"[bench] {line}", flush=True)
+    tool, *argv = line.split()[1:]  # the script (or `simulate`) and its arguments
     if name == "simulate":
-        argv = SIMULATE_REDUCED if reduced else SIMULATE_FULL
-        command = f"airay simulate {' '.join(argv)}"
-        print(f"[bench] {command}", flush=True)
         result = json.loads(_run([sys.executable, "-m", "airay.cli", "simulate", *argv, "--json"]))
     else:
-        argv = (REDUCED if reduced else FULL)[name]
-        script = SCRIPT.get(name, name)
-        command = f"python benchmarks/{script}.py {' '.join(argv)}"
-        print(f"[bench] {command}", flush=True)
         out = tmp / f"{name}.json"
-        _run([sys.executable, str(HERE / f"{script}.py"), *argv, "--json", str(out)])
+        _run([sys.executable, str(ROOT / tool), *argv, "--json", str(out)])
         result = json.loads(out.read_text())
-    return {"result": result, "command": command, "date": datetime.date.today().isoformat(), "machine": machine()}
+    return {"result": result, "command": line, "date": datetime.date.today().isoformat(), "machine": machine()}
 
 
 def main() -> int:

@@ -328,7 +328,7 @@ class Checkpointer:
         if self.memory is not None:
             self.memory.mkdir(parents=True, exist_ok=True)
         self.zero_stage, self.keep_last, self.memory_keep_last, self.rec = zero_stage, keep_last, memory_keep_last, recorder
-        self._inflight = None  # (ref, step, tier, unix start time, blocking_s, previous_commit_wait_s)
+        self._inflight = None  # (ref, step, tier, unix start time, blocking_s, previous_commit_wait_s, rank_save_s)
         self._to_replicate: tuple[int, str] | None = None  # (step, path) committed, not yet copied
         self._replicating = None  # (ref, step, path, unix start time)
         self._retried_step: int | None = None
@@ -352,6 +352,7 @@ class Checkpointer:
         if any(o.kind != "ok" for o in outcomes):
             return outcomes
         blocking = time.time() - t0
+        rank_save_s = max(v["save_s"] for v in values)  # inside the slowest rank; the rest is Ray's round trip
         spec = {"step": step, "world_size": len(group.active), "zero_stage": self.zero_stage,
                 "durable": self.storage.location if durable else None, "keep_last": self.keep_last,
                 "memory": str(self.memory) if self.memory is not None else None,
@@ -359,7 +360,7 @@ class Checkpointer:
         ref = group.commit(spec, [v["dir"] for v in values])
         # The previous commit still going when this save came (checkpoints closer together than a
         # commit takes) held the step loop too: reported apart as previous_commit_wait_s.
-        self._inflight = (ref, step, "durable" if durable else "memory", t0, blocking, t0 - t_wait)
+        self._inflight = (ref, step, "durable" if durable else "memory", t0, blocking, t0 - t_wait, rank_save_s)
         self.last_saved_step, self.last_saved_durable = step, durable
         return outcomes
 
@@ -410,7 +411,7 @@ class Checkpointer:
     def _finish(self) -> None:
         import ray
 
-        ref, step, tier, t0, blocking, waited = self._inflight
+        ref, step, tier, t0, blocking, waited, rank_save_s = self._inflight
         self._inflight = None
         try:
             done = ray.get(ref)
@@ -426,7 +427,7 @@ class Checkpointer:
             self._to_replicate = (step, done["path"])
         self.rec.event("checkpoint_saved", step=step, path=done["path"], tier=tier, blocking_s=blocking,
                        total_s=done["committed_ts"] - t0, bytes=done["bytes"], world_size=done["world_size"],
-                       previous_commit_wait_s=waited, **extra)
+                       previous_commit_wait_s=waited, rank_save_s=rank_save_s, **extra)
 
     def latest_known(self) -> CheckpointInfo | None:
         """The last checkpoint this run committed (no reading of storage: for a quick exit)."""

@@ -499,6 +499,7 @@ class Controller:
                           samples_per_s=gbs / step_time if step_time > 0 else 0.0, step_time_s=step_time,
                           data_wait_s=slowest["data_wait_s"], compute_s=slowest.get("compute_s"),
                           comm_s=slowest.get("comm_s"),
+                          checkpoint_wait_s=max(r.get("checkpoint_wait_s", 0.0) for r in per_rank),
                           tokens_per_s=tokens / step_time if tokens and step_time > 0 else None, ts=now)
             self.rec.metric(**metric)
             self.telemetry.step(metric, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))

@@ -249,6 +249,7 @@ class TrainWorker:
         import torch.distributed as tdist
 
         if self.engine is not None:
+            self._ckpt_writer.wait_copied()  # a save's host copies still read the engine's tensors
             try:
                 self.engine.destroy()
             except Exception:  # a half-broken engine after a peer died; we drop it anyway
@@ -318,6 +319,7 @@ class TrainWorker:
         finally:
             if local is not None:
                 shutil.rmtree(local, ignore_errors=True)
+        self._ckpt_writer.take_copy_wait()  # a wait inside load_checkpoint is load time, not a step's
         if load_path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint at {path}/{tag}")
         return {"step": int(client["airay_step"]), "data_position": client.get("airay_data"),
@@ -378,7 +380,10 @@ class TrainWorker:
         self._at(step, len(batches), "done")
         step_time = time.perf_counter() - t0
         comm = commtime.seconds() - comm0
+        # Time the optimizer step waited for the previous save's host copies (airay.snapshot):
+        # part of that checkpoint's blocking, not of this step's work.
         out = {"step": step, "loss_sum": loss_sum, "step_time_s": step_time, "data_wait_s": data_wait,
+               "checkpoint_wait_s": self._ckpt_writer.take_copy_wait(),
                "local_s": data_wait + local_s, "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
                "tokens": sum(token_count(b) for b in batches)}
         if self.config.data.record_sample_ids:

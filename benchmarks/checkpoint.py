@@ -3,9 +3,15 @@
 One invocation, one model (tiny GPT with larger dims: about 25M parameters, ~300 MB of model and
 AdamW state at the defaults), durable storage on a real S3-compatible server (moto, started here):
 
-  blocked per save   airay: `checkpoint_saved.blocking_s` of a real run (ranks copy their state
-                     to host memory; writing the files, assembling, the manifest and the upload
-                     go on in the background; `previous_commit_wait_s` is reported beside it),
+  blocked per save   airay: `checkpoint_saved.blocking_s` of a real run (the ranks' save call:
+                     buffers and module state copied to host memory, parameter and optimizer
+                     copies queued) plus the `checkpoint_wait_s` of the step after it (the wait
+                     of its optimizer step for those copies, which run beside its forward and
+                     backward); writing the files, assembling, the manifest and the upload go
+                     on in the background; `previous_commit_wait_s` is reported beside it.
+                     Saves with no step after them (the run's last) are left out. Beside it, the
+                     step time of the steps that overlap a copy against the other steps of the
+                     same runs (step 0 and replayed steps left out),
                      against DeepSpeed's synchronous `save_checkpoint` of the same
                      state in this process: to a local directory and then uploaded to the same
                      S3 server before training may go on (what a synchronous checkpoint to S3
@@ -96,6 +102,7 @@ def airay_runs(repeats: int, bucket_uri, work: Path, model: dict) -> dict:
     from airay.local_cluster import LocalCluster
 
     blocking, total, memory_load, durable_load, memory_fetch, durable_fetch, waited = [], [], [], [], [], [], []
+    save_call, copy_wait, rank_save, overlap_steps, other_steps = [], [], [], [], []
     nbytes = 0
     lc = LocalCluster(LocalClusterSpec(local_nodes=2, cpus_per_node=1, object_store_memory=1024**3))
     ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
@@ -110,7 +117,22 @@ def airay_runs(repeats: int, bucket_uri, work: Path, model: dict) -> dict:
             assert first.status == "finished", first.error
             ev = read_jsonl(run / "events.jsonl")
             saves = [e for e in ev if e["type"] == "checkpoint_saved"]
-            blocking += [e["blocking_s"] for e in saves]
+            first_record = {}
+            for m in read_jsonl(run / "metrics.jsonl"):  # a replayed step's later record is left out
+                first_record.setdefault(m["step"], m)
+            followed = [e for e in saves if e["step"] in first_record]
+            for e in followed:
+                # The largest wait any record of the next step saw (a replay after a reload included).
+                wait = max(m.get("checkpoint_wait_s", 0.0) for m in read_jsonl(run / "metrics.jsonl")
+                           if m["step"] == e["step"])
+                blocking.append(e["blocking_s"] + wait)
+                save_call.append(e["blocking_s"])
+                copy_wait.append(wait)
+                rank_save.append(e["rank_save_s"])
+            overlapping = {e["step"] for e in followed}
+            for step, m in first_record.items():
+                if step > 0:
+                    (overlap_steps if step in overlapping else other_steps).append(m["step_time_s"])
             waited += [e["previous_commit_wait_s"] for e in saves]
             total += [e["total_s"] for e in saves if e["tier"] == "durable"]
             nbytes = saves[-1]["bytes"]
@@ -128,7 +150,8 @@ def airay_runs(repeats: int, bucket_uri, work: Path, model: dict) -> dict:
     finally:
         ray.shutdown()
         lc.shutdown()
-    return {"blocking_s": blocking, "previous_commit_wait_s": waited, "durable_total_s": total, "memory_load_s": memory_load,
+    return {"blocking_s": blocking, "save_call_s": save_call, "copy_wait_s": copy_wait, "rank_save_s": rank_save,
+            "step_s_overlapping_copy": overlap_steps, "step_s_other": other_steps, "previous_commit_wait_s": waited, "durable_total_s": total, "memory_load_s": memory_load,
             "durable_load_s": durable_load, "memory_fetch_s": memory_fetch, "durable_fetch_s": durable_fetch,
             "bytes": nbytes}
 
@@ -151,7 +174,10 @@ def main() -> int:
         runs = airay_runs(args.repeats, bucket_uri, Path(shm), model)
     out = {
         "model": model, "state_bytes": runs["bytes"], "repeats": args.repeats,
-        "airay_blocking_s": med(runs["blocking_s"]), "previous_commit_wait_s": med(runs["previous_commit_wait_s"]), "airay_durable_total_s": med(runs["durable_total_s"]),
+        "airay_blocking_s": med(runs["blocking_s"]), "save_call_s": med(runs["save_call_s"]),
+        "copy_wait_s": med(runs["copy_wait_s"]), "rank_save_s": med(runs["rank_save_s"]),
+        "step_s_overlapping_copy": med(runs["step_s_overlapping_copy"]), "step_s_other": med(runs["step_s_other"]),
+        "previous_commit_wait_s": med(runs["previous_commit_wait_s"]), "airay_durable_total_s": med(runs["durable_total_s"]),
         "sync_local_dir_s": med(sync["local_dir_s"]), "sync_local_dir_then_s3_s": med(sync["local_dir_then_s3_s"]),
         "memory_recovery_load_s": med(runs["memory_load_s"]), "durable_recovery_load_s": med(runs["durable_load_s"]),
         "memory_fetch_s": med(runs["memory_fetch_s"]), "durable_fetch_s": med(runs["durable_fetch_s"]),
@@ -159,11 +185,16 @@ def main() -> int:
     }
     out["blocking_vs_sync_s3"] = out["airay_blocking_s"] / out["sync_local_dir_then_s3_s"]
     out["blocking_vs_sync_local"] = out["airay_blocking_s"] / out["sync_local_dir_s"]
+    out["step_inflation_overlapping_copy"] = out["step_s_overlapping_copy"] / out["step_s_other"]
     out["recovery_speedup_memory_vs_s3"] = out["durable_recovery_load_s"] / out["memory_recovery_load_s"]
     print(f"model {model}, checkpoint {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}")
     print(f"blocked per save, airay async (host snapshot, then bg write) {out['airay_blocking_s']:.3f} s "
           f"(background commit to S3 done after {out['airay_durable_total_s']:.2f} s)")
+    print(f"  = save call {out['save_call_s']:.3f} s (in the slowest rank {out['rank_save_s']:.3f} s, the rest Ray's round trip)"
+          f" + next optimizer step's wait for the copies {out['copy_wait_s']:.3f} s")
     print(f"  and waiting for the previous save's commit before it        {out['previous_commit_wait_s']:.3f} s")
+    print(f"step time, steps overlapping a copy {out['step_s_overlapping_copy']:.3f} s, other steps {out['step_s_other']:.3f} s "
+          f"(x{out['step_inflation_overlapping_copy']:.2f})")
     print(f"blocked per save, DeepSpeed sync save_checkpoint + S3 upload {out['sync_local_dir_then_s3_s']:.3f} s")
     print(f"blocked per save, DeepSpeed sync save_checkpoint, local dir  {out['sync_local_dir_s']:.3f} s")
     print(f"blocking ratio async / sync-to-S3   {out['blocking_vs_sync_s3']:.3f}  (target <= 0.10)")

@@ -210,9 +210,17 @@ def render_checkpoint(ck: dict) -> list[str]:
             f"{_spread(sm['sync_local_dir_s'])} | 1 |",
             f"| DeepSpeed sync save + S3 upload | {ck['sync_local_dir_then_s3_s']:.3f} | "
             f"{_spread(sm['sync_local_dir_then_s3_s'])} | |",
-            f"| airay blocked per save (host snapshot; write, commit, upload in the background) | "
+            f"| airay blocked per save (save call + the next optimizer step's wait for the host copies; write, "
+            f"commit, upload in the background) | "
             f"{ck['airay_blocking_s']:.3f} | {_spread(sm['blocking_s'])} | vs local **{ck['blocking_vs_sync_local']:.3f}**, "
             f"vs local+S3 **{ck['blocking_vs_sync_s3']:.3f}** (target ≤ 0.10) |",
+            *([f"| of which the save call (blocking_s) | {ck['save_call_s']:.3f} | {_spread(sm['save_call_s'])} | |",
+               f"| of which the next optimizer step's wait (checkpoint_wait_s) | {ck['copy_wait_s']:.3f} | "
+               f"{_spread(sm['copy_wait_s'])} | |",
+               f"| step time, steps overlapping a host copy | {ck['step_s_overlapping_copy']:.3f} | "
+               f"{_spread(sm['step_s_overlapping_copy'])} | x{ck['step_inflation_overlapping_copy']:.2f} vs other steps |",
+               f"| step time, other steps (baseline) | {ck['step_s_other']:.3f} | {_spread(sm['step_s_other'])} | 1 |"]
+              if "copy_wait_s" in ck else []),
             *([f"| airay waiting for the previous save's commit first (previous_commit_wait_s) | "
                f"{ck['previous_commit_wait_s']:.3f} | {_spread(sm['previous_commit_wait_s'])} | |"]
               if "previous_commit_wait_s" in ck else []),

@@ -41,6 +41,13 @@ def test_checkpoint_section_has_both_baselines_and_the_ratios():
     assert "300 MiB" in text and "| DeepSpeed sync save, local dir (baseline) | 0.500 | - | 1 |" in text
     assert "| 0.050 | 0.040-0.070 | vs local **0.100**, vs local+S3 **0.006** (target ≤ 0.10) |" in text
     assert "S3 / memory **7.00x**" in text
+    # With the split of the blocking (save call + the next optimizer step's wait) and the step times.
+    ck.update(save_call_s=0.03, copy_wait_s=0.02, step_s_overlapping_copy=0.6, step_s_other=0.5,
+              step_inflation_overlapping_copy=1.2)
+    ck["samples"].update(save_call_s=[0.03], copy_wait_s=[0.02], step_s_overlapping_copy=[0.6], step_s_other=[0.5])
+    text = "\n".join(render_checkpoint(ck))
+    assert "| of which the save call (blocking_s) | 0.030 |" in text and "checkpoint_wait_s) | 0.020 |" in text
+    assert "| step time, steps overlapping a host copy | 0.600 | - | x1.20 vs other steps |" in text
 
 
 def test_data_section_reports_both_sides_the_ratio_and_the_wait_share():

@@ -33,6 +33,20 @@ def test_a_later_snapshot_copies_into_the_earlier_ones_buffers_where_shapes_matc
     assert [t.data_ptr() for t in again] == [second["w"].data_ptr(), second["b"].data_ptr()]
 
 
+def test_deferred_tensors_get_a_buffer_now_and_their_copy_later_the_rest_is_copied_at_once():
+    param, buffer = torch.ones(4), torch.zeros(3)
+    later = []
+    snap = snapshot.snapshot({"param": param, "buffer": buffer, "view": param[1:3]}, None, None,
+                             {param.untyped_storage().data_ptr()}, later)
+    # Forward updates a buffer in place (running statistics): its copy was made inside the save.
+    buffer.add_(7)
+    assert torch.equal(snap["buffer"], torch.zeros(3))
+    assert [src.data_ptr() for _, src in later] == [param.data_ptr(), param[1:3].data_ptr()]
+    snapshot.copy_pairs(later)  # what the copy thread does before the next optimizer step
+    assert torch.equal(snap["param"], torch.ones(4)) and torch.equal(snap["view"], torch.ones(2))
+    assert snap["view"].untyped_storage().size() == 2 * 4  # compact, as the immediate copy is
+
+
 def test_writer_reraises_a_failed_write_unless_the_save_is_thrown_away():
     writer = snapshot.Writer()
     writer.submit(lambda: 1 / 0)
@@ -80,11 +94,33 @@ def _files(d):
 
 
 def test_async_save_writes_the_state_at_the_save_in_deepspeeds_layout(engine, tmp_path):
+    import threading
+    import time
+
     _train_step(engine, 0)
     engine.save_checkpoint(str(tmp_path / "sync"), tag="native", save_latest=False)  # DeepSpeed's own engine
     writer = snapshot.Writer()
     snapshot.install(engine, writer)
+    hold = threading.Event()
+
+    class Held:  # a copy that lasts until `hold` is set: the save's copies queue behind it
+        def copy_(self, src):
+            hold.wait()
+
+    writer.copy_later([(Held(), None)])
     engine.save_checkpoint(str(tmp_path / "async"), tag="native", save_latest=False)
+    ck = engine.checkpoint_engine
+    # Parameters and optimizer state (nearly all the bytes) are copied beside the next step.
+    assert writer.copying() and ck.deferred_bytes > 9 * ck.copied_bytes
+    # Training goes on: forward and backward while the copies wait, then the optimizer step,
+    # which waits for them (released a moment later: without that wait the step would update
+    # the weights and moments before they were copied, and the files below would differ).
+    from airay.models import tiny_gpt
+
+    engine.backward(tiny_gpt.loss(engine, {"tokens": torch.randint(0, 256, (2, 9))}))
+    threading.Thread(target=lambda: (time.sleep(0.3), hold.set())).start()
+    engine.step()
+    assert writer.take_copy_wait() > 0 and not writer.copying()
     _train_step(engine, 1)  # weights and optimizer state change while the files may still be written
     assert writer.wait() >= 2  # model states and the ZeRO optimizer partition
     sync, async_ = _files(tmp_path / "sync"), _files(tmp_path / "async")

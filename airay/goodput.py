@@ -11,7 +11,8 @@ older checkpoint and done again ("replayed_steps"). The rest of the wall time is
   here; for a grow: the moment the grow began) until the new world is formed. A checkpoint
   taken inside the window is counted under checkpoint_blocking, not twice.
 - replayed_steps: earlier executions of steps that were executed again after a rollback.
-- checkpoint_blocking: the time training was blocked by checkpoint saves (`blocking_s`).
+- checkpoint_blocking: the time training was blocked by checkpoint saves (`blocking_s`, and
+  the steps' `checkpoint_wait_s` for a save's host copies, taken out of their step time).
 - A run directory resumed by a later run of the same job holds several runs (one run_started
   each); wall time is the sum of their spans: the time between them, when no run of the job was
   going, is not lost time. Each run's start-up counts as startup.
@@ -61,9 +62,11 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
     wall = sum(end - start for start, end in spans)
 
     kept = kept_records(metrics)
-    kept_s = sum(m["step_time_s"] for m in kept.values())
+    # A step's wait for the previous save's host copies (checkpoint_wait_s) is checkpoint blocking.
+    waits = [m.get("checkpoint_wait_s") or 0.0 for m in metrics]
+    kept_s = sum(m["step_time_s"] - (m.get("checkpoint_wait_s") or 0.0) for m in kept.values())
     replayed = len(metrics) - len(kept)
-    replayed_s = sum(m["step_time_s"] for m in metrics) - kept_s
+    replayed_s = sum(m["step_time_s"] for m in metrics) - sum(waits) - kept_s
 
     formed = [e["ts"] for e in events if e["type"] == "world_formed"]
     resizes = [e for e in events if e["type"] == "resize_finished"]
@@ -89,7 +92,7 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
         startup += max(0.0, (min(progress) if progress else end) - start)
 
     saves = [e for e in events if e["type"] == "checkpoint_saved"]
-    blocking = sum(e.get("blocking_s", 0.0) for e in saves)
+    blocking = sum(e.get("blocking_s", 0.0) for e in saves) + sum(waits)
     recovery = 0.0
     for t0, t1, r, at_step in windows:
         inside = r.get("checkpoint_s", 0.0)  # a grow checkpoints first, inside its window

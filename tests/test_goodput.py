@@ -42,6 +42,17 @@ def test_kept_steps_only_and_lost_time_by_cause():
     assert g.kept_step_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)
 
 
+def test_a_steps_wait_for_a_saves_host_copies_is_checkpoint_blocking_not_step_time():
+    events, metrics = timeline()
+    metrics[-5]["checkpoint_wait_s"] = 0.25  # kept step 5 waited for the copies
+    metrics[3]["checkpoint_wait_s"] = 0.125  # replayed step 3's first run waited too
+    g = goodput.compute(events, metrics)
+    assert g.kept_step_s == pytest.approx(9.75)
+    assert g.lost_s["checkpoint_blocking"] == pytest.approx(0.875)
+    assert g.lost_s["replayed_steps"] == pytest.approx(1.875)
+    assert g.kept_step_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)
+
+
 def test_checkpoint_inside_a_window_is_not_counted_twice():
     events, metrics = timeline()
     # The step-5 checkpoint was saved after the last round and before the round that failed.

@@ -84,16 +84,6 @@ def copy_pairs(pairs: list) -> None:
         dst.copy_(src)
 
 
-def _lower_priority() -> None:
-    # The copy thread shares the CPU with the step loop's compute (one core per rank here): at a
-    # lower priority it takes the cycles compute leaves, and the step loop, once it waits for
-    # the copy, frees its core for it.
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
-
-
 class Writer:
     """Two background threads that live as long as the worker process (engines come and go with
     world changes, pending files must not go with them): one copies deferred tensors into host
@@ -105,8 +95,7 @@ class Writer:
         # The price is one copy of the checkpointed state kept in host memory between saves.
         self.buffers: dict[str, list] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-writer")
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-copy",
-                                          initializer=_lower_priority)
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-copy")
         self._pending: list[Future] = []
         self._copies: list[Future] = []
         self._copy_wait_s = 0.0
@@ -173,7 +162,10 @@ def optimizer_storages(engine) -> set[int]:
         for group in getattr(opt, "param_groups", None) or ():
             ptrs.update(p.untyped_storage().data_ptr() for p in group["params"] if torch.is_tensor(p))
         state = getattr(opt, "state", None)
-        for per_param in (state.values() if isinstance(state, dict) else ()):
+        for param, per_param in (state.items() if isinstance(state, dict) else ()):
+            # Keyed by parameter: ZeRO-3 takes its fp32 partitions out of param_groups between steps.
+            if torch.is_tensor(param):
+                ptrs.add(param.untyped_storage().data_ptr())
             if isinstance(per_param, dict):
                 ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if torch.is_tensor(v))
         opt = getattr(opt, "optimizer", None)

@@ -249,7 +249,9 @@ class TrainWorker:
         import torch.distributed as tdist
 
         if self.engine is not None:
-            self._ckpt_writer.wait_copied()  # a save's host copies still read the engine's tensors
+            # A save's host copies may still read the engine's tensors (a wait that is the leave's time).
+            self._ckpt_writer.wait_copied()
+            self._ckpt_writer.take_copy_wait()
             try:
                 self.engine.destroy()
             except Exception:  # a half-broken engine after a peer died; we drop it anyway

@@ -102,7 +102,9 @@ def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_clu
         assert [(e["step"], e["tier"]) for e in saved] == [(5, "memory"), (10, "durable"), (15, "memory"),
                                                           (20, "durable")]
         for e in saved:
-            assert 0 < e["blocking_s"] < e["total_s"] and e["bytes"] > 0
+            assert 0 < e["rank_save_s"] <= e["blocking_s"] < e["total_s"] and e["bytes"] > 0
+        # Each step after a save reports its optimizer step's wait for that save's host copies.
+        assert all(m["checkpoint_wait_s"] >= 0 for m in read_jsonl(run / "metrics.jsonl"))
         assert all(e["path"].startswith("s3://") for e in saved if e["tier"] == "durable")
         # The kill at step 17 lost two steps: step 15 came from memory, not step 10 from S3.
         (loaded,) = events(run, "checkpoint_loaded")

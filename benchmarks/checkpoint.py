@@ -188,7 +188,7 @@ def main() -> int:
     out["step_inflation_overlapping_copy"] = out["step_s_overlapping_copy"] / out["step_s_other"]
     out["recovery_speedup_memory_vs_s3"] = out["durable_recovery_load_s"] / out["memory_recovery_load_s"]
     print(f"model {model}, checkpoint {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}")
-    print(f"blocked per save, airay async (host snapshot, then bg write) {out['airay_blocking_s']:.3f} s "
+    print(f"blocked per save, airay async (save call + copy wait)       {out['airay_blocking_s']:.3f} s "
           f"(background commit to S3 done after {out['airay_durable_total_s']:.2f} s)")
     print(f"  = save call {out['save_call_s']:.3f} s (in the slowest rank {out['rank_save_s']:.3f} s, the rest Ray's round trip)"
           f" + next optimizer step's wait for the copies {out['copy_wait_s']:.3f} s")

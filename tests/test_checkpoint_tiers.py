@@ -101,7 +101,10 @@ def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_clu
         first_hold.append(time.time())
         if time.time() - first_hold[0] > 30:
             return False
-        return not any(e["step"] == 15 for e in events(run, "checkpoint_saved"))
+        try:
+            return not any(e["step"] == 15 for e in events(run, "checkpoint_saved"))
+        except ValueError:  # a line being written
+            return True
 
     with s3_server(hold=slow_store) as bucket_uri:
         local_cluster(nodes=3)

@@ -21,7 +21,8 @@ node's memory (the only time the step loop blocks), hands its files to the commi
 through Ray's object store, and the committer assembles the checkpoint, reshards it to the
 universal format, writes the manifest last, and (on durable steps) uploads the files then the
 manifest: with a memory tier after the step is committed there, in the committer's upload thread,
-so no later save waits for an upload (Checkpointer, UploadQueue). A step directory without a manifest that matches the files' sizes is incomplete and
+so no later save waits for an upload (Checkpointer, UploadQueue). A step directory without a
+manifest that matches the files' sizes is incomplete and
 is never loaded. Before a checkpoint is loaded its files' CRC-32s are checked too; one that does
 not match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event
 checkpoint_rejected) and the next newest is loaded instead. Resharding is DeepSpeed universal

@@ -22,9 +22,8 @@ through Ray's object store, and the committer assembles the checkpoint, reshards
 universal format, writes the manifest last, and (on durable steps) uploads the files then the
 manifest: with a memory tier after the step is committed there, in the committer's upload thread,
 so no later save waits for an upload (Checkpointer, UploadQueue). A step directory without a
-manifest that matches the files' sizes is incomplete and
-is never loaded. Before a checkpoint is loaded its files' CRC-32s are checked too; one that does
-not match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event
+manifest that matches the files' sizes is incomplete and is never loaded. Before a checkpoint is
+loaded its files' CRC-32s are checked too; one that does not match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event
 checkpoint_rejected) and the next newest is loaded instead. Resharding is DeepSpeed universal
 checkpointing: ZeRO 1-3 partitions are merged per parameter once, off the step loop, so
 recovery at a new world size only reads files.

@@ -141,6 +141,7 @@ class Controller:
             if self.feeder is not None:
                 self.feeder.close()
             if self.group is not None:
+                self.ckpt.abandon()  # uploads still running die with the committer: say so
                 self.group.shutdown()
             self.telemetry.close()
         return self._result(error)
@@ -221,7 +222,7 @@ class Controller:
         the world shrinks and resumes at this very step: no step is lost."""
         if self.ckpt.last_saved_step != self.step and not self._checkpoint(durable=False):
             return State.RECOVERING
-        self.ckpt.wait()
+        self.ckpt.wait(uploads=False)  # this step in memory is what the shrunk world loads
         for rank in ranks:
             self.rec.event("worker_preempted", step=self.step, rank=rank, node_id=self.group.member(rank).node_id,
                            checkpoint_step=self.ckpt.last_saved_step)

@@ -176,6 +176,12 @@ class Feeder:
             if self._thread is None or step < self._low or step > self._produced + 1:
                 self._restart(step)
 
+    def restart(self, step: int) -> None:
+        """A fresh pipeline from `step` on, whatever this one holds: after a block of it could
+        not be fetched (a data failure), its other blocks are not trusted either."""
+        with self._cv:
+            self._restart(step)
+
     def position(self, step: int) -> dict[str, Any]:
         return self.stream.position(step)
 

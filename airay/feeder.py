@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 from collections import deque
 from typing import Any
@@ -142,9 +143,11 @@ class Feeder:
 
     # ---- the controller's calls -------------------------------------------------------------
 
-    def steps(self, start: int, end: int, extra: int = 0) -> dict[int, list[Piece]]:
-        """Pieces of steps [start, end) (waits for them) plus up to `extra` later steps that are
-        ready now. Steps before `start` are released: they are committed or will be replayed."""
+    def steps(self, start: int, end: int, extra: int = 0, timeout_s: float | None = None) -> dict[int, list[Piece]]:
+        """Pieces of steps [start, end) (waits for them, TimeoutError after `timeout_s`) plus up
+        to `extra` later steps that are ready now. Steps before `start` are released: they are
+        committed or will be replayed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             if self._thread is None or start < self._low:
                 self._restart(start)
@@ -161,6 +164,8 @@ class Feeder:
                     continue
                 if self._done:
                     raise RuntimeError(f"the data pipeline ended before step {end - 1}")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"the data pipeline did not produce steps {start}-{end - 1} within {timeout_s:g}s")
                 self._cv.wait(1.0)
             out = {s: self._ready[s] for s in range(start, end)}
             for s in range(end, end + extra):

@@ -98,6 +98,9 @@ class DataSpec(_Spec):
         None, gt=0, description="a worker's fetch of a step's blocks that takes longer fails as a data failure: "
         "the round is re-run on the same world from a fresh pipeline (`data_block_lost`); must be < "
         "timeouts.hang_timeout_s, so the waiting rank is not declared hung. Default: hang_timeout_s / 2")
+    pipeline_timeout_s: float = Field(
+        600, gt=0, description="the driver waits this long for the pipeline to produce a round's steps; then it "
+        "restarts the pipeline (twice in a run at most) and then fails the run, rather than wait forever")
     record_sample_ids: bool = Field(False, description="write samples.jsonl: each committed step's sample ids")
 
     @model_validator(mode="after")

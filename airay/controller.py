@@ -207,7 +207,8 @@ class Controller:
         if self.pending_resize is not None:
             end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
         faults, after_launch, struck = self._inject(self.step, end)
-        feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps) if self.feeder else None
+        feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps,
+                                 timeout_s=self.cfg.data.pipeline_timeout_s) if self.feeder else None
         struck = self._spoil(feed, self.step, end) or struck
         t_launch = time.time()
         outcomes, values = self.group.train(self.step, end, faults, after_launch,

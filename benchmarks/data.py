@@ -168,7 +168,7 @@ def airay_path(root: Path, workers: int, fetch_timeout_s: float, steps_per_round
         for start in range(0, cfg.max_steps, steps_per_round):
             end = min(cfg.max_steps, start + steps_per_round)
             try:
-                feed = feeder.steps(start, end, extra=cfg.data.prefetch_steps, timeout_s=10 * fetch_timeout_s)
+                feed = feeder.steps(start, end, extra=cfg.data.prefetch_steps, timeout_s=cfg.data.pipeline_timeout_s)
             except TimeoutError as exc:
                 raise FetchFailed(f"airay path: {exc}") from None
             rates = round_rates([a.consume.remote(feed, start, end, r, plan) for r, a in enumerate(actors)],

@@ -219,3 +219,35 @@ def test_data_fetch_error_keeps_its_step_and_rank_across_pickling():
 
     assert pieces_identity([(Ref(b"a"), 0, 4)]) == pieces_identity([(Ref(b"a"), 0, 4)])
     assert pieces_identity([(Ref(b"a"), 0, 4)]) != pieces_identity([(Ref(b"b"), 0, 4)])
+
+
+def test_a_stalled_pipeline_is_restarted_then_fails_never_waits_forever():
+    import threading
+    import time
+
+    from airay.feeder import PIPELINE_RETRIES, Feeder
+    from airay.reader import Stream
+
+    class StalledFeeder(Feeder):
+        """Its pipeline produces nothing (as a reader stuck for good would), until told to stop."""
+
+        starts = 0
+        stop = threading.Event()
+
+        def _parquet_pieces(self, start):
+            StalledFeeder.starts += 1
+            while not self.stop.wait(0.02):
+                pass
+            yield from ()
+
+    layout = EpochLayout(96, 8, seed=0, chunk_rows=8, window_steps=2)
+    feeder = StalledFeeder(Stream(None, layout, None, {}, "fp"), max_steps=12, capacity=4)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"did not produce steps 0-2 within 0.2s \(data.pipeline_timeout_s\)"):
+            feeder.steps(0, 3, timeout_s=0.2)
+    finally:
+        StalledFeeder.stop.set()
+        feeder.close()
+    assert StalledFeeder.starts == 1 + PIPELINE_RETRIES  # restarted, then given up
+    assert time.monotonic() - t0 < 5

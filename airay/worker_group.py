@@ -269,7 +269,8 @@ class WorkerGroup:
                         else f"{type(cause or exc).__name__}: {cause or exc}"
                     outcomes[rank] = RankOutcome(rank, "errored", error=error,
                                                  user_error=isinstance(cause, UserCodeError),
-                                                 cause=type(cause).__name__ if cause is not None else "")
+                                                 cause=type(cause).__name__ if cause is not None else "",
+                                                 step=getattr(cause, "step", None))
                 except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost
                     outcomes[rank] = RankOutcome(rank, "errored", error=str(exc).splitlines()[0],
                                                  cause=type(exc).__name__)

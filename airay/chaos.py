@@ -3,7 +3,8 @@
 The driver decides which rank gets which fault at which step (`round_faults`, pure); the worker
 strikes it inside the step (`strike`), where a real fault of that kind would happen. Faults that
 act on files or nodes (corrupt_checkpoint, lose_memory_primary, remove_node, add_node) are carried
-out by the driver.
+out by the driver, and so are the data faults (lose_data_block, stall_data_block): the driver
+hands the round a step whose rows for one rank come from a bad block (`spoil_rows`, `bad_block`).
 """
 
 from __future__ import annotations
@@ -112,3 +113,47 @@ def lose_memory(root: str | os.PathLike) -> list[Path]:
     for p in gone:
         shutil.rmtree(p)
     return gone
+
+
+def spoil_rows(pieces: list, lo: int, hi: int, bad) -> list:
+    """A step's pieces [(block ref, first row, end row), ...] with its rows [lo, hi) (positions
+    in the step) taken from the block `bad` instead: pieces are split at lo and hi, so only the
+    rank whose rows those are fetches it."""
+    out, pos = [], 0
+    for ref, a, b in pieces:
+        s, e = max(pos, lo) - pos, min(pos + b - a, hi) - pos  # the overlap, relative to this piece
+        if s >= e:
+            out.append((ref, a, b))
+        else:
+            out += [(ref, a, a + s)] if s > 0 else []
+            out.append((bad, a + s, a + e))
+            out += [(ref, a + e, b)] if a + e < b else []
+        pos += b - a
+    return out
+
+
+def bad_block(kind: str) -> tuple[Any, Any]:
+    """(ref, cleanup) of a block that cannot be fetched. lose_data_block: an object whose owner
+    is dead (fetching it raises OwnerDiedError, an ObjectLostError), as when the process that
+    made a block goes away. stall_data_block: the result of a task that is never scheduled (it
+    asks for a resource no node has), so a fetch without a timeout would wait forever."""
+    import ray
+
+    if kind == "lose_data_block":
+        owner = ray.remote(_BlockOwner).options(num_cpus=0).remote()
+        (ref,) = ray.get(owner.block.remote())
+        ray.kill(owner, no_restart=True)
+        return ref, lambda: None
+    ref = ray.remote(_never_scheduled).options(num_cpus=0, resources={"airay_chaos_never": 1}).remote()
+    return ref, lambda: ray.cancel(ref, force=True)
+
+
+class _BlockOwner:
+    def block(self) -> list:
+        import ray
+
+        return [ray.put({"sample_id": [0]})]  # in a list: the object stays owned by this actor
+
+
+def _never_scheduled() -> None:
+    pass

@@ -20,9 +20,10 @@ Saving never writes the ranks' files where they become visible: each rank saves 
 node's memory (the only time the step loop blocks), hands its files to the committer actor
 through Ray's object store, and the committer assembles the checkpoint, reshards it to the
 universal format, writes the manifest last, and (on durable steps) uploads the files then the
-manifest. A step directory without a manifest that matches the files' sizes is incomplete and
-is never loaded. Before a checkpoint is loaded its files' CRC-32s are checked too; one that does
-not match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event
+manifest: with a memory tier after the step is committed there, in the committer's upload thread,
+so no later save waits for an upload (Checkpointer, UploadQueue). A step directory without a
+manifest that matches the files' sizes is incomplete and is never loaded. Before a checkpoint is
+loaded its files' CRC-32s are checked too; one that does not match is corrupt: it is set aside (renamed rejected_step_NNNNNNNN, event
 checkpoint_rejected) and the next newest is loaded instead. Resharding is DeepSpeed universal
 checkpointing: ZeRO 1-3 partitions are merged per parameter once, off the step loop, so
 recovery at a new world size only reads files.
@@ -260,16 +261,19 @@ def load_order(candidates: list[CheckpointInfo]) -> list[CheckpointInfo]:
     return sorted(candidates, key=lambda c: (-c.step, TIERS.index(c.tier), c.copy != "primary"))
 
 
-def prune(root: str | os.PathLike | Storage, keep_last: int, protect: str | os.PathLike | None = None) -> list[Path]:
+def prune(root: str | os.PathLike | Storage, keep_last: int,
+          protect: str | os.PathLike | list | tuple | None = None) -> list[Path]:
     """Delete all but the newest `keep_last` verified checkpoints (and incomplete older dirs).
 
-    Never deletes `protect` (the checkpoint being loaded or just committed), one marked KEEP, or
-    a directory newer than the newest verified one (it may still be being written); keep_last
-    is at least 1, so the newest good checkpoint always stays.
+    Never deletes `protect` (the checkpoint being loaded or just committed; a list or tuple for
+    several, e.g. memory-tier steps still being uploaded), one marked KEEP, or a directory newer
+    than the newest verified one (it may still be being written); keep_last is at least 1, so
+    the newest good checkpoint always stays.
     """
     storage = _as_storage(root)
     keep_last = max(1, keep_last)
-    protect_name = Path(str(protect).split("?", 1)[0]).name if protect is not None else None
+    protected = protect if isinstance(protect, (list, tuple)) else [] if protect is None else [protect]
+    protect_names = {Path(str(p).split("?", 1)[0]).name for p in protected}
     removed = []
     verified_seen = 0
     newest_verified_passed = False
@@ -278,7 +282,7 @@ def prune(root: str | os.PathLike | Storage, keep_last: int, protect: str | os.P
         if info is not None and not info.keep:
             verified_seen += 1
             newest_verified_passed = True
-        if not newest_verified_passed or name == protect_name or (info is not None and info.keep):
+        if not newest_verified_passed or name in protect_names or (info is not None and info.keep):
             continue
         if info is None or verified_seen > keep_last:
             storage.delete_dir(name)
@@ -311,12 +315,63 @@ def describe(root: str | os.PathLike | Storage, tier: str = "durable", check_crc
     return rows
 
 
+@dataclass
+class PendingSave:
+    """A save the driver follows from the ranks' copy to its last commit."""
+    step: int
+    durable: bool
+    t0: float  # unix time the ranks began to save
+    blocking_s: float
+    previous_commit_wait_s: float
+    ref: object = None  # the commit's, then (a durable step with a memory tier) the upload's
+    path: str = ""  # the memory tier's copy, once committed
+    memory_ts: float = 0.0  # when that copy's manifest was written
+    bytes: int = 0
+    world_size: int = 0
+    upload_t0: float = 0.0
+
+
+class UploadQueue:
+    """Which durable uploads run when (pure; the Checkpointer acts on its answers).
+
+    With a memory tier a durable step is committed to memory first (loadable from there at once)
+    and uploaded after, beside later saves, which never wait for it. One upload runs at a time:
+    uploads share the storage's bandwidth, and one at a time keeps the durable tier's steps
+    appearing in order. A durable step committed while one runs waits; a newer one supersedes a
+    step still waiting: it stays in the memory tier, and uploading it after the newer one starts
+    would only delay the newer one. The caller records every superseded step.
+    """
+
+    def __init__(self):
+        self.running = None
+        self.waiting = None
+
+    def add(self, item):
+        """A durable step was committed to memory: (the item to start now or None, the item it
+        superseded or None)."""
+        if self.running is None:
+            self.running = item
+            return item, None
+        superseded, self.waiting = self.waiting, item
+        return None, superseded
+
+    def finished(self):
+        """The running upload ended (done or failed): the waiting one, to start now, or None."""
+        self.running, self.waiting = self.waiting, None
+        return self.running
+
+    def items(self) -> list:
+        return [i for i in (self.running, self.waiting) if i is not None]
+
+
 class Checkpointer:
     """Owns the checkpoint tiers: collective save, background commit, choice of what to load.
 
-    The step loop blocks only while the ranks save into their nodes' memory; assembling,
+    The step loop blocks only while the ranks save into their nodes' memory (and, for a save that
+    follows the previous one closer than its commit takes, until that commit is done); assembling,
     resharding, the manifest and the upload to durable storage happen in the group's committer
-    while training goes on.
+    while training goes on. With a memory tier a durable step is committed to memory first and
+    uploaded after (UploadQueue), so no save waits for an upload.
     """
 
     def __init__(self, root: str | os.PathLike, zero_stage: int, keep_last: int, recorder,
@@ -328,7 +383,9 @@ class Checkpointer:
         if self.memory is not None:
             self.memory.mkdir(parents=True, exist_ok=True)
         self.zero_stage, self.keep_last, self.memory_keep_last, self.rec = zero_stage, keep_last, memory_keep_last, recorder
-        self._inflight = None  # (ref, step, tier, unix start time, blocking_s, previous_commit_wait_s, rank_save_s)
+        self._inflight: PendingSave | None = None  # the save whose commit is in flight
+        self._uploads = UploadQueue()  # of PendingSave: durable steps committed to memory, to upload
+        self._group = None  # the worker group of the last save (its committer uploads)
         self._to_replicate: tuple[int, str] | None = None  # (step, path) committed, not yet copied
         self._replicating = None  # (ref, step, path, unix start time)
         self._retried_step: int | None = None
@@ -345,34 +402,52 @@ class Checkpointer:
         the memory tier, and also to durable storage when `durable` (always without a memory
         tier); returns the ranks' outcomes (all ok, or a loss to handle)."""
         t_wait = time.time()
-        self.wait()
+        # The previous save's commit only (the ranks' stage directories and the committer's
+        # memory tier are free once it is done); an upload still running goes on beside this save.
+        self._finish_commit()
         durable = durable or self.memory is None
         t0 = time.time()
         outcomes, values = group.save(step, data_position)
         if any(o.kind != "ok" for o in outcomes):
             return outcomes
         blocking = time.time() - t0
-        rank_save_s = max(v["save_s"] for v in values)  # inside the slowest rank; the rest is Ray's round trip
+        self._group = group
         spec = {"step": step, "world_size": len(group.active), "zero_stage": self.zero_stage,
-                "durable": self.storage.location if durable else None, "keep_last": self.keep_last,
-                "memory": str(self.memory) if self.memory is not None else None,
-                "memory_keep_last": self.memory_keep_last}
+                # With a memory tier the commit ends there; the upload is the committer's apart.
+                "durable": self.storage.location if durable and self.memory is None else None,
+                "keep_last": self.keep_last, "memory": str(self.memory) if self.memory is not None else None,
+                "memory_keep_last": self.memory_keep_last,
+                "protect": [step_name(s.step) for s in self._uploads.items()]}  # their upload reads them
         ref = group.commit(spec, [v["dir"] for v in values])
         # The previous commit still going when this save came (checkpoints closer together than a
         # commit takes) held the step loop too: reported apart as previous_commit_wait_s.
-        self._inflight = (ref, step, "durable" if durable else "memory", t0, blocking, t0 - t_wait, rank_save_s)
+        self._inflight = PendingSave(step, durable, t0, blocking, t0 - t_wait, ref)
         self.last_saved_step, self.last_saved_durable = step, durable
         return outcomes
 
     def poll(self, group=None) -> None:
-        if self._inflight is not None and _ready(self._inflight[0]):
-            self._finish()
+        running = self._uploads.running
+        if running is not None and _ready(running.ref):
+            self._finish_upload()
+        if self._inflight is not None and _ready(self._inflight.ref):
+            self._finish_commit()
         if group is not None:
             self._replicate(group)
 
-    def wait(self) -> None:
-        if self._inflight is not None:
-            self._finish()
+    def wait(self, uploads: bool = True) -> None:
+        """Block until the save in flight is committed and, with `uploads`, until every durable
+        upload has ended (without: what a load needs, the memory tier holds already)."""
+        self._finish_commit()
+        while uploads and self._uploads.running is not None:
+            self._finish_upload()
+
+    def abandon(self) -> None:
+        """The run ends without waiting (it failed): its committer goes, and with it the uploads
+        not finished; recorded, so no durable step disappears without a word."""
+        for save in self._uploads.items():
+            self.rec.event("checkpoint_failed", step=save.step, tier="durable",
+                           error="the run ended before its upload to durable storage finished")
+        self._uploads = UploadQueue()
 
     def _replicate(self, group, block: bool = False) -> None:
         """Copy the newest committed memory-tier checkpoint to the group's replica, in the
@@ -408,26 +483,70 @@ class Checkpointer:
         self.wait()
         self._replicate(group, block=True)
 
-    def _finish(self) -> None:
+    def _finish_commit(self) -> None:
         import ray
 
-        ref, step, tier, t0, blocking, waited, rank_save_s = self._inflight
-        self._inflight = None
+        if self._inflight is None:
+            return
+        save, self._inflight = self._inflight, None
         try:
-            done = ray.get(ref)
+            done = ray.get(save.ref)
         except Exception as exc:  # a rank or the committer died: the step stays invisible
-            self.rec.event("checkpoint_failed", step=step, tier=tier, error=str(exc).splitlines()[0])
+            self.rec.event("checkpoint_failed", step=save.step, tier="durable" if save.durable else "memory",
+                           error=str(exc).splitlines()[0])
             self.last_saved_step = None
             return
-        # total_s ends when the committer wrote the last manifest, not when the driver looked.
-        self._last_committed = CheckpointInfo(step, done["path"], done["world_size"], "", done["bytes"],
-                                              done["committed_ts"], tier)
-        extra = {"memory_s": done["memory_ts"] - t0} if done["memory_ts"] is not None else {}
+        save.path, save.bytes, save.world_size = done["path"], done["bytes"], done["world_size"]
+        save.memory_ts = done["memory_ts"] or 0.0
+        tier = "durable" if save.durable else "memory"
+        self._committed(save, "memory" if self.memory is not None else "durable", done["committed_ts"])
+        if save.durable and self.memory is not None:
+            start, superseded = self._uploads.add(save)
+            if superseded is not None:
+                self.rec.event("checkpoint_upload_skipped", step=superseded.step, superseded_by=save.step,
+                               uploading_step=self._uploads.running.step, path=superseded.path,
+                               reason="a newer durable step was committed while this one waited for an upload")
+                self._saved(superseded, "memory", superseded.path, superseded.memory_ts, durable_skipped=True)
+            if start is not None:
+                self._start_upload(start)
+            return
         if tier == "memory":
-            self._to_replicate = (step, done["path"])
-        self.rec.event("checkpoint_saved", step=step, path=done["path"], tier=tier, blocking_s=blocking,
-                       total_s=done["committed_ts"] - t0, bytes=done["bytes"], world_size=done["world_size"],
-                       previous_commit_wait_s=waited, rank_save_s=rank_save_s, **extra)
+            self._to_replicate = (save.step, save.path)
+        self._saved(save, tier, save.path, done["committed_ts"])
+
+    def _start_upload(self, save: PendingSave) -> None:
+        save.upload_t0 = time.time()
+        save.ref = self._group.upload(save.path, self.storage.location, self.keep_last)
+
+    def _finish_upload(self) -> None:
+        import ray
+
+        save = self._uploads.running
+        try:
+            done = ray.get(save.ref)
+        except Exception as exc:  # the committer died (its node, or chaos) or storage failed
+            self.rec.event("checkpoint_failed", step=save.step, tier="durable", error=str(exc).splitlines()[0])
+            if save.step == self.last_saved_step:
+                self.last_saved_durable = False
+        else:
+            self._committed(save, "durable", done["committed_ts"], done["path"])
+            self._saved(save, "durable", done["path"], done["committed_ts"],
+                        upload_s=done["committed_ts"] - save.upload_t0, upload_wait_s=save.upload_t0 - save.memory_ts)
+        following = self._uploads.finished()
+        if following is not None:
+            self._start_upload(following)
+
+    def _committed(self, save: PendingSave, tier: str, committed_ts: float, path: str | None = None) -> None:
+        if self._last_committed is None or save.step >= self._last_committed.step:
+            self._last_committed = CheckpointInfo(save.step, path or save.path, save.world_size, "", save.bytes,
+                                                  committed_ts, tier)
+
+    def _saved(self, save: PendingSave, tier: str, path: str, committed_ts: float, **extra) -> None:
+        # total_s ends when the committer wrote the last manifest, not when the driver looked.
+        memory = {"memory_s": save.memory_ts - save.t0} if save.memory_ts else {}
+        self.rec.event("checkpoint_saved", step=save.step, path=path, tier=tier, blocking_s=save.blocking_s,
+                       total_s=committed_ts - save.t0, bytes=save.bytes, world_size=save.world_size,
+                       previous_commit_wait_s=save.previous_commit_wait_s, **memory, **extra)
 
     def latest_known(self) -> CheckpointInfo | None:
         """The last checkpoint this run committed (no reading of storage: for a quick exit)."""
@@ -443,8 +562,9 @@ class Checkpointer:
     def latest(self, group=None) -> CheckpointInfo | None:
         """The newest complete checkpoint of either tier (and, given the worker group, of the
         memory tier's replica) whose checksums hold; corrupt ones are rejected (and the next
-        newest tried)."""
-        self.wait()
+        newest tried). Waits for the commit in flight, not for uploads: a step being uploaded
+        is in the memory tier already."""
+        self.wait(uploads=False)
         replicas = []
         if group is not None:
             replicas, rejected = group.replica_checkpoints()
@@ -515,7 +635,10 @@ class Committer:
         import deepspeed.checkpoint.ds_to_universal  # noqa: F401  (import once, not per commit)
 
     def commit(self, spec: dict, *rank_files: dict[str, bytes]) -> dict:
-        """`rank_files`: each rank's files of the step (arrive through the object store)."""
+        """`rank_files`: each rank's files of the step (arrive through the object store).
+        spec["durable"]: the storage to upload to in this call too (the Checkpointer gives it only
+        without a memory tier; with one it calls `upload` apart, so later commits never wait for
+        an upload); spec["protect"]: memory-tier steps retention must leave (being uploaded)."""
         name = step_name(spec["step"])
         durable = Storage(spec["durable"]) if spec["durable"] is not None else None
         if spec["memory"] is not None:
@@ -533,16 +656,26 @@ class Committer:
             memory_ts = info.committed_ts if tier == "memory" else None
             committed_ts, path = info.committed_ts, str(local)
             if durable is not None and tier != "durable":
-                committed_ts, path = publish(local, durable, name), durable.uri(name)
-            if durable is not None:
+                uploaded = self.upload(str(local), spec["durable"], spec["keep_last"])
+                committed_ts, path = uploaded["committed_ts"], uploaded["path"]
+            elif durable is not None:
                 prune(durable, spec["keep_last"], protect=name)
             if tier == "memory":
-                prune(Storage(spec["memory"]), spec["memory_keep_last"], protect=name)
+                prune(Storage(spec["memory"]), spec["memory_keep_last"], protect=[name, *spec.get("protect", ())])
         finally:
             if tier == "scratch":
                 shutil.rmtree(local, ignore_errors=True)
         return {"path": path, "bytes": info.bytes, "world_size": info.world_size, "memory_ts": memory_ts,
                 "committed_ts": committed_ts}
+
+    def upload(self, path: str, durable: str, keep_last: int) -> dict:
+        """Copy the committed checkpoint at `path` (node memory) to the durable storage, manifest
+        last, then apply that tier's retention. Runs in its own thread of this actor
+        (WorkerGroup.upload), beside the commits of later saves."""
+        storage, name = Storage(durable), Path(path).name
+        committed_ts = publish(path, storage, name)
+        prune(storage, keep_last, protect=name)
+        return {"path": storage.uri(name), "committed_ts": committed_ts}
 
     def package(self, path: str, tag: str) -> dict[str, bytes]:
         """The files a rank needs to load `tag` of a memory-tier checkpoint (sent to every node

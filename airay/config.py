@@ -94,6 +94,13 @@ class DataSpec(_Spec):
     reader_cache_mb: int = Field(256, ge=0, description="decoded row groups each reader keeps (MiB): a window "
                                  "takes a few hundred rows out of row groups of thousands")
     prefetch_steps: int = Field(2, ge=0, description="steps each worker fetches ahead of the one it trains")
+    fetch_timeout_s: float | None = Field(
+        None, gt=0, description="a worker's fetch of a step's blocks that takes longer fails as a data failure: "
+        "the round is re-run on the same world from a fresh pipeline (`data_block_lost`); must be < "
+        "timeouts.hang_timeout_s, so the waiting rank is not declared hung. Default: hang_timeout_s / 2")
+    pipeline_timeout_s: float = Field(
+        600, gt=0, description="the driver waits this long for the pipeline to produce a round's steps; then it "
+        "restarts the pipeline (twice in a run at most) and then fails the run, rather than wait forever")
     record_sample_ids: bool = Field(False, description="write samples.jsonl: each committed step's sample ids")
 
     @model_validator(mode="after")
@@ -185,7 +192,10 @@ class CheckpointSpec(_Spec):
 
 
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
-                    "corrupt_checkpoint", "lose_memory_primary", "slow_worker"]
+                    "corrupt_checkpoint", "lose_memory_primary", "slow_worker", "lose_data_block",
+                    "stall_data_block"]
+# Faults the driver strikes on the data it hands a round (airay.chaos.spoil_step), not at a round's start.
+DATA_FAULTS = ("lose_data_block", "stall_data_block")
 
 
 class ChaosSpec(_Spec):
@@ -200,7 +210,9 @@ class ChaosSpec(_Spec):
     the rank so the run must load it. lose_memory_primary: once the memory tier's replica holds
     the newest memory checkpoint, the driver node's copy is lost (its committer killed, its files
     deleted), then the rank is killed, so the run must recover from the replica. slow_worker: the rank sleeps `delay_s` in each of
-    `steps` steps (a straggler).
+    `steps` steps (a straggler). lose_data_block / stall_data_block (streamed data): the rows of
+    step `at_step` that `rank` trains on come from a block whose owner is gone (ObjectLostError)
+    or that never arrives (a data.fetch_timeout_s timeout); the step need not start a round.
     """
 
     fault: ChaosKind
@@ -335,6 +347,14 @@ class JobConfig(_Spec):
             if fault.fault == "slow_worker" and fault.at_step + fault.steps > self.max_steps:
                 raise ValueError(f"chaos[{i}]: slow_worker steps ({fault.steps}) run past max_steps "
                                  f"({self.max_steps}); lower chaos[{i}].steps or at_step")
+            if fault.fault in DATA_FAULTS and self.data.source == "synthetic":
+                raise ValueError(f"chaos[{i}]: {fault.fault} spoils a block of streamed data; it needs "
+                                 "data.source parquet or dataset")
+        fetch, hang = self.data.fetch_timeout_s, self.timeouts.hang_timeout_s
+        if fetch is not None and fetch >= hang:
+            raise ValueError(f"data.fetch_timeout_s ({fetch:g}) must be < timeouts.hang_timeout_s ({hang:g}): a rank "
+                             "waiting that long for its data would be declared hung and killed, though the data is "
+                             "at fault; lower data.fetch_timeout_s or raise timeouts.hang_timeout_s")
         steps = [(c.at_step, c.rank) for c in self.chaos if c.fault not in ("add_node", "slow_worker")]
         dup = sorted({s for s in steps if steps.count(s) > 1})
         if dup:
@@ -376,6 +396,11 @@ class JobConfig(_Spec):
     def needs_local_cluster(self) -> bool:
         """remove_node / add_node faults act on raylets airay started itself."""
         return any(c.fault in ("remove_node", "add_node") for c in self.chaos)
+
+    @property
+    def data_fetch_timeout_s(self) -> float:
+        """data.fetch_timeout_s, or its default: half of timeouts.hang_timeout_s."""
+        return self.data.fetch_timeout_s or self.timeouts.hang_timeout_s / 2
 
     @property
     def zero_stage(self) -> int:

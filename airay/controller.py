@@ -16,12 +16,14 @@ import ray
 
 from airay import chaos, goodput, policy
 from airay.checkpoint import CheckpointInfo, Checkpointer, memory_root, replica_root
-from airay.config import JobConfig
+from airay.config import DATA_FAULTS, JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.feeder import DataLog, Feeder, Stream
-from airay.health import Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, summarize_failures
+from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
+    summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
+from airay.sampling import rank_rows
 from airay.telemetry import Telemetry, eta_s, progress_line
 from airay.worker_group import WorkerGroup, node_died
 
@@ -113,6 +115,7 @@ class Controller:
         self.telemetry = Telemetry(config.name, recorder.run_dir)
         self._last_round_end: float | None = None  # for the ETA: the pace of the last round
         self.preempt_deadline: float | None = None  # set by SIGTERM (request_preemption)
+        self.chaos_cleanups: list = []  # undo what data faults left behind (airay.chaos.bad_block)
 
     def request_preemption(self, signal_name: str = "SIGTERM") -> None:
         """The driver is told to go (a spot reclaim): checkpoint at the end of the round in
@@ -141,7 +144,13 @@ class Controller:
             if self.feeder is not None:
                 self.feeder.close()
             if self.group is not None:
+                self.ckpt.abandon()  # uploads still running die with the committer: say so
                 self.group.shutdown()
+            for cleanup in self.chaos_cleanups:
+                try:
+                    cleanup()
+                except Exception:
+                    pass
             self.telemetry.close()
         return self._result(error)
 
@@ -192,13 +201,16 @@ class Controller:
         self.ckpt.poll(self.group)
         if self.step % self.cfg.timeouts.grow_check_every_n_steps == 0 and self._can_grow():
             return State.GROWING
-        pending = [c.at_step for i, c in enumerate(self.cfg.chaos) if i not in self.fired]
+        # Data faults strike whatever round holds their step: the round is re-run from its start.
+        pending = [c.at_step for i, c in enumerate(self.cfg.chaos) if i not in self.fired and c.fault not in DATA_FAULTS]
         end = policy.next_round_end(self.step, self.cfg.max_steps, self.cfg.steps_per_round,
                                     self.cfg.checkpoint.interval, pending)
         if self.pending_resize is not None:
             end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
         faults, after_launch, struck = self._inject(self.step, end)
-        feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps) if self.feeder else None
+        feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps,
+                                 timeout_s=self.cfg.data.pipeline_timeout_s) if self.feeder else None
+        struck = self._spoil(feed, self.step, end) or struck
         t_launch = time.time()
         outcomes, values = self.group.train(self.step, end, faults, after_launch,
                                             hang_timeout_s=self.cfg.timeouts.hang_timeout_s, feed=feed)
@@ -221,7 +233,7 @@ class Controller:
         the world shrinks and resumes at this very step: no step is lost."""
         if self.ckpt.last_saved_step != self.step and not self._checkpoint(durable=False):
             return State.RECOVERING
-        self.ckpt.wait()
+        self.ckpt.wait(uploads=False)  # this step in memory is what the shrunk world loads
         for rank in ranks:
             self.rec.event("worker_preempted", step=self.step, rank=rank, node_id=self.group.member(rank).node_id,
                            checkpoint_step=self.ckpt.last_saved_step)
@@ -234,6 +246,8 @@ class Controller:
     def _recovering(self) -> State:
         """Drop lost ranks, shrink to the survivors (or wait for min_workers), reload, go on."""
         verdict, group = self.verdict, self.group
+        if verdict.kind == "data_lost":
+            return self._rerun_after_data_loss()
         self.restarts += 1
         self.incidents.append(self.t_detect)
         old = len(group.active)
@@ -293,6 +307,31 @@ class Controller:
                        checkpoint_step=ckpt.step if ckpt else None)
         parts = {"drain_s": t_drained - self.t_detect, "checkpoint_wait_s": time.time() - t_ckpt}
         if not self._form(new, ckpt, t0=self.t_detect, old=old, reason="failure", parts=parts):
+            return State.RECOVERING
+        return State.RUNNING
+
+    def _rerun_after_data_loss(self) -> State:
+        """A block of the round could not be fetched: the data failed, no rank did. Keep every
+        worker, restart the pipeline (its other blocks are not trusted either), re-form the same
+        world and reload the newest checkpoint: the round is re-run on exactly its samples."""
+        group, size = self.group, len(self.group.active)
+        self.restarts += 1
+        self.incidents.append(self.t_detect)
+        for o in self.verdict.outcomes:
+            if o.kind == "errored" and o.cause in DATA_ERRORS:
+                node = group.member(o.rank).node_id
+                self.rec.event("data_block_lost", step=o.step, rank=o.rank, node_id=node, error=o.error,
+                               round_start=self.step, detection_s=self.detection_s)
+                self.failures.append(Failure(self.t_detect, "data_lost", o.rank, node, o.step))
+        self._check_budget()  # a block that is lost again and again ends the run, never loops
+        group.leave_all()
+        t_drained = time.time()
+        ckpt = self.ckpt.latest(self.group)
+        self.feeder.restart(ckpt.step if ckpt else 0)
+        self.rec.event("resize_started", step=self.step, old_world_size=size, new_world_size=size, reason="failure",
+                       cause="data_lost", checkpoint_step=ckpt.step if ckpt else None)
+        parts = {"drain_s": t_drained - self.t_detect, "checkpoint_wait_s": time.time() - t_drained}
+        if not self._form(size, ckpt, t0=self.t_detect, old=size, reason="failure", parts=parts):
             return State.RECOVERING
         return State.RUNNING
 
@@ -445,7 +484,7 @@ class Controller:
         removals = []
         struck = False
         for i, fault in enumerate(self.cfg.chaos):
-            if fault.at_step != step or i in self.fired:
+            if fault.at_step != step or i in self.fired or fault.fault in DATA_FAULTS:
                 continue
             self.fired.add(i)
             if fault.rank >= world and fault.fault != "add_node":
@@ -480,6 +519,26 @@ class Controller:
                 self.local.remove_node(node_id)
 
         return faults, (remove_nodes if removals else None), struck
+
+    def _spoil(self, feed: dict[int, list] | None, start: int, end: int) -> bool:
+        """Data chaos for the round [start, end): the rows a rank trains on at a fault's step come
+        from a block that cannot be fetched. Whether one struck."""
+        world, struck = len(self.group.active), False
+        for i, fault in enumerate(self.cfg.chaos):
+            if fault.fault not in DATA_FAULTS or i in self.fired or not start <= fault.at_step < end:
+                continue
+            self.fired.add(i)
+            if fault.rank >= world:
+                self.rec.event("fault_skipped", step=fault.at_step, fault=fault.fault, rank=fault.rank,
+                               reason=f"world size is {world}")
+                continue
+            ref, cleanup = chaos.bad_block(fault.fault)
+            self.chaos_cleanups.append(cleanup)
+            feed[fault.at_step] = chaos.spoil_rows(feed[fault.at_step], *rank_rows(self.plans[world], fault.rank), ref)
+            self.rec.event("fault_injected", step=fault.at_step, fault=fault.fault, rank=fault.rank,
+                           round_start=start, block=ref.hex())
+            struck = True
+        return struck
 
     def _record_steps(self, start: int, end: int, values: list[list[dict]]) -> None:
         world = len(values)

@@ -145,6 +145,11 @@ def render(results: dict) -> str:
         "`health.restart_backoff_s` adds a doubling wait for recurring failures.",
         "- An excluded node's bundles stay reserved by their placement groups until the run ends (Ray cannot "
         "release one bundle of a group); new placement groups avoid it by label selector.",
+        "- Data faults (`lose_data_block`: a rank's rows of a step come from a block whose owner died; "
+        "`stall_data_block`: from one that never arrives) are run by `tests/test_data_stream.py` on streamed "
+        "parquet data: the fetch fails (ObjectLostError, or no block within `data.fetch_timeout_s`), the "
+        "driver records `data_block_lost`, restarts the pipeline and re-runs the round on the same world "
+        "from the newest checkpoint; no worker is replaced, samples and losses equal the fault-free run's.",
         "",
     ]
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 from collections import deque
 from typing import Any
@@ -142,9 +143,13 @@ class Feeder:
 
     # ---- the controller's calls -------------------------------------------------------------
 
-    def steps(self, start: int, end: int, extra: int = 0) -> dict[int, list[Piece]]:
+    def steps(self, start: int, end: int, extra: int = 0, timeout_s: float | None = None) -> dict[int, list[Piece]]:
         """Pieces of steps [start, end) (waits for them) plus up to `extra` later steps that are
-        ready now. Steps before `start` are released: they are committed or will be replayed."""
+        ready now. Steps before `start` are released: they are committed or will be replayed.
+        A pipeline that fails, or does not produce the steps within `timeout_s`, is restarted
+        from `start` up to PIPELINE_RETRIES times in the run; then the error (or TimeoutError)
+        is raised: the driver never waits forever for a stalled pipeline."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             if self._thread is None or start < self._low:
                 self._restart(start)
@@ -161,7 +166,12 @@ class Feeder:
                     continue
                 if self._done:
                     raise RuntimeError(f"the data pipeline ended before step {end - 1}")
-                self._cv.wait(1.0)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._error = TimeoutError(f"the data pipeline did not produce steps {start}-{end - 1} within "
+                                               f"{timeout_s:g}s (data.pipeline_timeout_s)")
+                    deadline = time.monotonic() + timeout_s  # for the restarted pipeline
+                    continue
+                self._cv.wait(1.0 if deadline is None else min(1.0, max(0.01, deadline - time.monotonic())))
             out = {s: self._ready[s] for s in range(start, end)}
             for s in range(end, end + extra):
                 if s not in self._ready:
@@ -175,6 +185,12 @@ class Feeder:
         with self._cv:
             if self._thread is None or step < self._low or step > self._produced + 1:
                 self._restart(step)
+
+    def restart(self, step: int) -> None:
+        """A fresh pipeline from `step` on, whatever this one holds: after a block of it could
+        not be fetched (a data failure), its other blocks are not trusted either."""
+        with self._cv:
+            self._restart(step)
 
     def position(self, step: int) -> dict[str, Any]:
         return self.stream.position(step)

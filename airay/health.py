@@ -22,6 +22,10 @@ INFRA_ERRORS = frozenset({"MemoryError", "OutOfMemoryError", "ObjectLostError", 
 
 _LOST_KINDS = frozenset({"died", "silent", "hung"})
 
+# A block of the rank's step could not be fetched (airay.data.DataFetchError): the data path
+# failed, the rank did not. The round is re-run on the same world; nobody is replaced.
+DATA_ERRORS = frozenset({"DataFetchError"})
+
 
 @dataclass(frozen=True)
 class RankOutcome:
@@ -30,6 +34,7 @@ class RankOutcome:
     error: str = ""
     user_error: bool = False  # the exception came from the user's model, loss or data code
     cause: str = ""  # the exception's class name, when the method raised
+    step: int | None = None  # the step it failed at, when the error says (a data failure)
 
     @property
     def infra(self) -> bool:
@@ -43,12 +48,14 @@ class RankOutcome:
             return "oom"
         if self.kind == "errored" and self.cause in INFRA_ERRORS:
             return "object_lost"
+        if self.kind == "errored" and self.cause in DATA_ERRORS:
+            return "data_lost"
         return self.kind
 
 
 @dataclass(frozen=True)
 class RoundVerdict:
-    kind: Literal["ok", "lost", "user_error", "comm_error"]
+    kind: Literal["ok", "lost", "user_error", "data_lost", "comm_error"]
     lost_ranks: tuple[int, ...] = ()
     message: str = ""
     outcomes: tuple[RankOutcome, ...] = field(default=(), repr=False)
@@ -57,8 +64,10 @@ class RoundVerdict:
 def classify_round(outcomes: list[RankOutcome]) -> RoundVerdict:
     """ok: every rank finished. lost: some rank died, hung, went silent or hit an infrastructure
     error (survivors' errors are collateral: their collective lost a peer). user_error: no rank
-    was lost and some rank's own code raised; retrying would fail again. comm_error: ranks failed
-    in collectives with no rank lost."""
+    was lost and some rank's own code raised; retrying would fail again. data_lost: no rank was
+    lost, no user code failed, and some rank could not fetch a block of its step (the others'
+    collectives failed with it); the same world re-runs the round. comm_error: ranks failed in
+    collectives with no rank lost."""
     # Inlined RankOutcome.infra: this runs over every rank after each failure (4,096 in benchmarks/decision.py).
     lost = tuple(o.rank for o in outcomes
                  if o.kind in _LOST_KINDS or (o.kind == "errored" and o.cause in INFRA_ERRORS))
@@ -72,6 +81,9 @@ def classify_round(outcomes: list[RankOutcome]) -> RoundVerdict:
         first = min(users, key=lambda o: o.rank)
         return RoundVerdict("user_error", message=f"user code failed on rank {first.rank}:\n{first.error}",
                             outcomes=tuple(outcomes))
+    data = [o for o in errored if o.cause in DATA_ERRORS]
+    if data:
+        return RoundVerdict("data_lost", message=f"rank {data[0].rank}: {data[0].error}", outcomes=tuple(outcomes))
     first = min(errored, key=lambda o: o.rank)
     return RoundVerdict("comm_error", message=f"rank {first.rank}: {first.error}", outcomes=tuple(outcomes))
 
@@ -144,7 +156,7 @@ class Failure:
     """One failure the run recovered from (or gave up on): what, where, when."""
 
     ts: float
-    fault: str  # died, hung, silent, oom, object_lost, comm_error, user_error
+    fault: str  # died, hung, silent, oom, object_lost, data_lost, comm_error, user_error
     rank: int | None
     node_id: str | None
     step: int

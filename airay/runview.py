@@ -17,7 +17,7 @@ import yaml
 from airay import goodput
 from airay.events import read_jsonl
 
-FAULT_EVENTS = ("worker_failed", "node_lost", "hang_detected")
+FAULT_EVENTS = ("worker_failed", "node_lost", "hang_detected", "data_block_lost")
 
 
 @dataclass

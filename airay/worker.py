@@ -21,7 +21,7 @@ import ray
 
 from airay import chaos, commtime
 from airay.config import JobConfig, resolve_callable
-from airay.data import StreamedSource, SyntheticSource
+from airay.data import DataFetchError, StreamedSource, SyntheticSource
 from airay.policy import BatchPlan
 
 
@@ -126,7 +126,7 @@ class TrainWorker:
         self.loss_fn = resolve_callable(self.config.loss_fn)
         data = self.config.data
         self.data = SyntheticSource(resolve_callable(data.sample_fn), data.seed, data.kwargs) \
-            if data.source == "synthetic" else StreamedSource()
+            if data.source == "synthetic" else StreamedSource(self.config.data_fetch_timeout_s)
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self.device, self.backend = device_for(self.gpu_ids, torch.cuda.is_available())
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -397,8 +397,9 @@ class TrainWorker:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            # Running out of memory is the machine's limit, not a bug in the code that hit it.
-            if _is_comm_error(exc) or isinstance(exc, MemoryError):
+            # Running out of memory is the machine's limit, not a bug in the code that hit it; a
+            # block that cannot be fetched is the data path's failure, not the user's.
+            if _is_comm_error(exc) or isinstance(exc, (MemoryError, DataFetchError)):
                 raise
             raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
 

@@ -62,7 +62,8 @@ class WorkerGroup:
                             "runtime_env": {"env_vars": env} if env else None}
         # The committer reshards checkpoints; it lives beside the driver, whose node outlives workers.
         self.driver_node = ray.get_runtime_context().get_node_id()
-        self.committer = ray.remote(Committer).options(
+        # Uploads to durable storage run in their own thread, so they never hold up a commit.
+        self.committer = ray.remote(concurrency_groups={"upload": 1})(Committer).options(
             num_cpus=0, max_restarts=-1, scheduling_strategy=NodeAffinitySchedulingStrategy(
                 self.driver_node, soft=False)).remote()
         self.replica_spec = replica
@@ -127,6 +128,11 @@ class WorkerGroup:
         ranks' io threads while they train on); returns the commit's ref."""
         refs = [m.actor.collect.remote(d) for m, d in zip(self.active, dirs)]
         return self.committer.commit.remote(spec, *refs)
+
+    def upload(self, path: str, durable: str, keep_last: int):
+        """Upload a committed memory-tier checkpoint to durable storage, in the committer's upload
+        thread (commits of later saves go on meanwhile); returns the upload's ref."""
+        return self.committer.upload.options(concurrency_group="upload").remote(path, durable, keep_last)
 
     # ---- reserving capacity ----------------------------------------------------------------
 
@@ -263,7 +269,8 @@ class WorkerGroup:
                         else f"{type(cause or exc).__name__}: {cause or exc}"
                     outcomes[rank] = RankOutcome(rank, "errored", error=error,
                                                  user_error=isinstance(cause, UserCodeError),
-                                                 cause=type(cause).__name__ if cause is not None else "")
+                                                 cause=type(cause).__name__ if cause is not None else "",
+                                                 step=getattr(cause, "step", None))
                 except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost
                     outcomes[rank] = RankOutcome(rank, "errored", error=str(exc).splitlines()[0],
                                                  cause=type(exc).__name__)

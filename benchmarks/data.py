@@ -20,9 +20,12 @@ Known problem (open in issue 3): the default size hung on the airay side in earl
 worker's ray.get of a block never returned, a fetch that began just after Ray Data let the
 block's reader actor go). Not reproduced since the readers keep decoded row groups and workers
 fetch each block once (2 runs of 3 repeats at 60,000 rows); the cause is not established
-(tests/test_data_scale.py shows a fetch after the readers are gone works).
+(tests/test_data_scale.py shows a fetch after the readers are gone works). It can no longer
+hang: every fetch has a deadline (`--fetch-timeout`, as data.fetch_timeout_s in training), and
+a block that does not arrive fails the benchmark with the step, rank and block named.
 
 Usage: python benchmarks/data.py [--workers 2] [--rows 60000] [--repeats 3] [--reduced] [--json F]
+                                 [--fetch-timeout 60]
 Targets: airay / plain >= 0.8 per worker; data wait < 5% of step time.
 """
 
@@ -111,10 +114,10 @@ def plain_loader(root: Path, batch: int, workers: int) -> float:
 class Consumer:
     """A worker that only takes its data: the training actor's data path without the model."""
 
-    def __init__(self):
+    def __init__(self, fetch_timeout_s: float):
         from airay.data import StreamedSource
 
-        self.src = StreamedSource()
+        self.src = StreamedSource(fetch_timeout_s)
         self.n, self.t0, self.t1 = 0, None, None
 
     def consume(self, feed, start, end, rank, plan):
@@ -133,8 +136,14 @@ class Consumer:
         return self.n / (self.t1 - self.t0) if self.n else 0.0
 
 
-def airay_path(root: Path, workers: int, steps_per_round: int = 10) -> float:
-    """Median over workers of samples/s delivered through the feeder to worker actors."""
+class FetchFailed(RuntimeError):
+    """The airay side could not deliver a step's data within the timeout: the benchmark fails."""
+
+
+def airay_path(root: Path, workers: int, fetch_timeout_s: float, steps_per_round: int = 10) -> float:
+    """Median over workers of samples/s delivered through the feeder to worker actors. Every
+    wait is bounded: a step's blocks by `fetch_timeout_s` (in the worker), a round's steps from
+    the pipeline and the round's calls by what that allows."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -151,21 +160,43 @@ def airay_path(root: Path, workers: int, steps_per_round: int = 10) -> float:
     pg = placement_group([{"CPU": 1}] * workers, strategy="SPREAD")
     ray.get(pg.ready())
     actors = [ray.remote(Consumer).options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=i)).remote() for i in range(workers)]
+        pg, placement_group_bundle_index=i)).remote(fetch_timeout_s) for i in range(workers)]
     plan = plan_batch(GBS, MICRO, workers).__dict__
     feeder = Feeder(stream, cfg.max_steps, steps_per_round + cfg.data.prefetch_steps + 1, cfg.data.readers)
     try:
         rates = []
         for start in range(0, cfg.max_steps, steps_per_round):
             end = min(cfg.max_steps, start + steps_per_round)
-            feed = feeder.steps(start, end, extra=cfg.data.prefetch_steps)
-            rates = ray.get([a.consume.remote(feed, start, end, r, plan) for r, a in enumerate(actors)])
+            try:
+                feed = feeder.steps(start, end, extra=cfg.data.prefetch_steps, timeout_s=cfg.data.pipeline_timeout_s)
+            except TimeoutError as exc:
+                raise FetchFailed(f"airay path: {exc}") from None
+            rates = round_rates([a.consume.remote(feed, start, end, r, plan) for r, a in enumerate(actors)],
+                                (end - start + 1) * fetch_timeout_s, start, end)
         return statistics.median(rates)
     finally:
         feeder.close()
         for a in actors:
             ray.kill(a)
         remove_placement_group(pg)
+
+
+def round_rates(refs: list, timeout_s: float, start: int, end: int) -> list[float]:
+    """The workers' answers for steps [start, end); FetchFailed naming what did not arrive.
+    Each step's fetch fails within fetch_timeout_s, so a round answers within `timeout_s`."""
+    import ray
+
+    from airay.data import DataFetchError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, DataFetchError):
+            raise FetchFailed(f"airay path: {exc.cause} (see issue 3: a block fetch that does not return)") from None
+        raise
+    except ray.exceptions.GetTimeoutError:
+        raise FetchFailed(f"airay path: the workers did not finish steps {start}-{end - 1} within {timeout_s:g}s") \
+            from None
 
 
 def wait_share(root: Path, workers: int, max_steps: int, run_dir: Path) -> float:
@@ -195,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fit-steps", type=int, default=60)
     p.add_argument("--reduced", action="store_true", help="small data, one repeat (the test suite's run)")
+    p.add_argument("--fetch-timeout", type=float, default=60.0,
+                   help="seconds a worker waits for a step's blocks before the benchmark fails")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.reduced:
@@ -213,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(address=lc.address, logging_level="ERROR", log_to_driver=False)
         try:
             for i in range(args.repeats):
-                ours.append(airay_path(root, args.workers))
+                ours.append(airay_path(root, args.workers, args.fetch_timeout))
                 print(f"repeat {i}: plain {plain[i]:.0f} samples/s, airay {ours[-1]:.0f} samples/s per worker",
                       flush=True)
             share = wait_share(root, args.workers, args.fit_steps, Path(tmp) / "fit")

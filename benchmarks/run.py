@@ -29,7 +29,8 @@ RESULTS = HERE / "results"
 
 FULL = {
     "recovery": ["--repeats", "3"],
-    "overhead": ["--repeats", "5"],
+    # ~15 s of steady state per run: shorter windows (3 s) measured mostly noise (pairs 0.77-1.13).
+    "overhead": ["--repeats", "5", "--steps", "300", "--warmup", "20"],
     "decision": ["--workers", "4096", "--repeats", "21"],
     "raytrain": ["--repeats", "3", "--steps", "30", "--fault-step", "12"],
     # Long on purpose (2000 steps, ~9 min for airay, ~12 for Ray Train): startup must not dominate.

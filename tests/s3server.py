@@ -4,22 +4,52 @@ through pyarrow's own S3 client exactly as a bucket on AWS would be."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from contextlib import contextmanager
+from typing import Callable
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "airay-test", "AWS_SECRET_ACCESS_KEY": "airay-test"}
+# A held request is answered after at most this long (then the next one is held): below the S3
+# client's 3 s request timeout, so holding slows uploads down without failing them.
+HOLD_PER_REQUEST_S = 1.0
+
+
+def _holding(app, hold: Callable[[str], bool]):
+    """WSGI middleware: a PUT whose path (/bucket/key) `hold` says to hold waits (a slow store)."""
+
+    def held(environ, start_response):
+        if environ["REQUEST_METHOD"] == "PUT":
+            deadline = time.time() + HOLD_PER_REQUEST_S
+            while time.time() < deadline and hold(environ["PATH_INFO"]):
+                time.sleep(0.05)
+        return app(environ, start_response)
+
+    return held
 
 
 @contextmanager
-def s3_server():
+def s3_server(hold: Callable[[str], bool] | None = None):
     """Yields a function bucket_uri(prefix) -> 's3://BUCKET/prefix?endpoint_override=...' of a
     fresh bucket. Credentials go into this process's environment, so Ray processes started
-    meanwhile (raylets, workers) inherit them, as they would an instance profile's."""
-    from moto.server import ThreadedMotoServer
+    meanwhile (raylets, workers) inherit them, as they would an instance profile's.
+    `hold(path)`: whether to hold an object's PUT for now (asked again every 50 ms, at most
+    HOLD_PER_REQUEST_S per request): a store as slow as a test needs."""
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class Server(ThreadedMotoServer):
+        def _server_entry(self) -> None:  # moto's own, with the app wrapped
+            app = DomainDispatcherApplication(create_backend_app)
+            self._server = make_server(self._ip_address, self._port, _holding(app, hold) if hold else app, True,
+                                       request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
 
     saved = {k: os.environ.get(k) for k in CREDENTIALS}
     os.environ.update(CREDENTIALS)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = Server(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     bucket = f"airay-{uuid.uuid4().hex[:8]}"

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from airay.chaos import corrupt_checkpoint, round_faults
+from airay.chaos import corrupt_checkpoint, round_faults, spoil_rows
 from airay.config import ChaosSpec
 
 
@@ -44,3 +44,22 @@ def test_corrupt_checkpoint_keeps_size_and_changes_bytes(tmp_path):
     assert corrupt_checkpoint(tmp_path, "universal") == "universal/w.pt"
     after = big.read_bytes()
     assert len(after) == len(before) and after != before
+
+
+def test_spoil_rows_replaces_only_the_ranks_rows_and_keeps_every_offset():
+    # A step of 24 rows from two blocks: rows 0-9 are block a's 30-40, rows 10-23 block b's 0-14.
+    pieces = [("a", 30, 40), ("b", 0, 14)]
+    # Rank 1 of 4 (6 rows each): rows 6-12, across the blocks' boundary.
+    assert spoil_rows(pieces, 6, 12, "X") == [("a", 30, 36), ("X", 36, 40), ("X", 0, 2), ("b", 2, 14)]
+    assert spoil_rows(pieces, 0, 6, "X") == [("X", 30, 36), ("a", 36, 40), ("b", 0, 14)]
+    assert spoil_rows(pieces, 18, 24, "X") == [("a", 30, 40), ("b", 0, 8), ("X", 8, 14)]
+    assert spoil_rows(pieces, 10, 24, "X") == [("a", 30, 40), ("X", 0, 14)]
+    for lo, hi in [(0, 6), (6, 12), (12, 18), (18, 24)]:  # row counts and order stay the step's
+        out = spoil_rows(pieces, lo, hi, "X")
+        assert sum(b - a for _, a, b in out) == 24
+        pos, bad = 0, []
+        for r, a, b in out:
+            if r == "X":
+                bad.append((pos, pos + b - a))
+            pos += b - a
+        assert (bad[0][0], bad[-1][1]) == (lo, hi)

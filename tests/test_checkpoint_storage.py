@@ -97,6 +97,36 @@ def test_memory_tier_is_preferred_at_the_same_step_and_falls_back_across_tiers(t
     assert [(t, f["step"], f["tier"]) for t, f in rec.events] == [("checkpoint_rejected", 10, "memory")]
 
 
+def test_a_memory_commit_leaves_steps_being_uploaded_and_the_upload_publishes_them(s3, tmp_path):
+    """With a memory tier the Checkpointer commits to memory (spec durable None) and uploads apart."""
+    uri, memory = s3("run-up"), tmp_path / "mem"
+    committer = ck.Committer.__new__(ck.Committer)
+    first = commit(10, uri, memory, to_durable=False)
+    assert first["path"] == str(memory / "step_00000010") and ck.step_names(Storage(uri)) == []
+    for step in (12, 14):  # memory_keep_last is 2: step 10 would go, but its upload still reads it
+        spec = {"step": step, "world_size": 2, "zero_stage": 0, "durable": None, "keep_last": 3,
+                "memory": str(memory), "memory_keep_last": 2, "protect": ["step_00000010"]}
+        committer.commit(spec, *rank_files(step))
+    assert [p.name for p in ck.step_dirs(memory)] == ["step_00000014", "step_00000012", "step_00000010"]
+    done = committer.upload(first["path"], uri, keep_last=1)
+    assert done["path"] == Storage(uri).uri("step_00000010") and done["committed_ts"] >= first["committed_ts"]
+    info = ck.latest_complete(Storage(uri))
+    assert (info.step, info.bytes) == (10, 3 * 4000) and ck.corrupt_files_at(Storage(uri), info.name) == []
+    commit(16, str(memory), memory, to_durable=False)  # unprotected again: pruned to the newest two
+    assert [p.name for p in ck.step_dirs(memory)] == ["step_00000016", "step_00000014"]
+
+
+def test_upload_queue_runs_one_upload_and_the_newest_waiting_step_supersedes_older():
+    q = ck.UploadQueue()
+    assert q.add(10) == (10, None)  # nothing running: starts now
+    assert q.add(20) == (None, None)  # waits for 10
+    assert q.add(30) == (None, 20)  # 20 never started: superseded by 30 (recorded by the caller)
+    assert q.items() == [10, 30]
+    assert q.finished() == 30 and q.items() == [30]
+    assert q.finished() is None and q.items() == []
+    assert q.add(40) == (40, None)
+
+
 def test_memory_tier_keeps_its_own_last_k(tmp_path):
     durable, memory = tmp_path / "durable", tmp_path / "mem"
     for step in (2, 4, 6, 8):

@@ -1,7 +1,8 @@
 """Two-tier checkpoints, auto-resume and preemption on a real multi-node Ray cluster.
 
-1. Durable storage on a real S3-compatible server: a worker killed between durable checkpoints
-   recovers from the memory tier; the finished job, re-run on the same run directory with a
+1. Durable storage on a real S3-compatible server, slow (its uploads of step 10 held until the
+   run recorded step 15): the memory-tier save of step 15 does not wait for step 10's upload; a
+   worker killed between durable checkpoints recovers from the memory tier; the finished job, re-run on the same run directory with a
    longer max_steps and without its memory tier (as on a new driver node), resumes from S3.
 2. The driver node's memory is lost (its committer killed, its memory-tier files gone) and a
    worker killed: the run recovers from the memory tier's replica on a peer node.
@@ -89,20 +90,41 @@ def events(run_dir, type_):
 
 
 def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_cluster, baseline):
-    with s3_server() as bucket_uri:
+    run = tmp_path / "run"
+    first_hold = []
+
+    def slow_store(path):
+        """Hold step 10's uploads until the run has recorded step 15's save (a store slower than
+        five steps); let go after 30 s anyway, so a save that waits for the upload ends too."""
+        if "/job/step_00000010/" not in path:
+            return False
+        first_hold.append(time.time())
+        if time.time() - first_hold[0] > 30:
+            return False
+        try:
+            return not any(e["step"] == 15 for e in events(run, "checkpoint_saved"))
+        except ValueError:  # a line being written
+            return True
+
+    with s3_server(hold=slow_store) as bucket_uri:
         local_cluster(nodes=3)
         memory = tmp_path / "node-memory"
         ckpt = {"path": bucket_uri("job"), "every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2,
                 "memory_path": str(memory)}
-        run = tmp_path / "run"
         first = fit(spec(run, 20, ckpt, chaos=[{"fault": "kill_worker", "at_step": 17, "rank": 1}]), echo=False)
         assert first.status == "finished" and first.final_step == 20 and first.restarts == 1
         assert_released()
         saved = events(run, "checkpoint_saved")
-        assert [(e["step"], e["tier"]) for e in saved] == [(5, "memory"), (10, "durable"), (15, "memory"),
+        # Step 15 went to memory while step 10 was still uploading (held): a save waits for the
+        # previous commit to memory, never for an upload, so 15 is recorded before 10 is on S3.
+        assert first_hold, "step 10's upload was never held"
+        assert [(e["step"], e["tier"]) for e in saved] == [(5, "memory"), (15, "memory"), (10, "durable"),
                                                           (20, "durable")]
+        by_step = {e["step"]: e for e in saved}
+        assert by_step[15]["previous_commit_wait_s"] < by_step[10]["upload_s"]
+        assert 0 < by_step[10]["memory_s"] < by_step[10]["total_s"] and by_step[10]["upload_wait_s"] >= 0
         for e in saved:
-            assert 0 < e["rank_save_s"] <= e["blocking_s"] < e["total_s"] and e["bytes"] > 0
+            assert 0 < e["blocking_s"] < e["total_s"] and e["bytes"] > 0
         # Each step after a save reports its optimizer step's wait for that save's host copies.
         assert all(m["checkpoint_wait_s"] >= 0 for m in read_jsonl(run / "metrics.jsonl"))
         assert all(e["path"].startswith("s3://") for e in saved if e["tier"] == "durable")

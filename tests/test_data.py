@@ -184,3 +184,70 @@ def test_spec_errors_for_data_fields():
         JobConfig.from_dict({"model": {"factory": "airay.models.tiny_gpt:build"},
                              "loss_fn": "airay.models.tiny_gpt:loss", "global_batch_size": 8,
                              "micro_batch_size": 4})
+
+
+def test_fetch_timeout_is_below_the_hang_timeout_and_data_faults_need_streamed_data():
+    base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+            "global_batch_size": 8, "micro_batch_size": 4, "max_steps": 4}
+    streamed = {"source": "parquet", "paths": ["x"]}
+    cfg = JobConfig.from_dict({**base, "data": streamed, "timeouts": {"hang_timeout_s": 20}})
+    assert cfg.data_fetch_timeout_s == 10  # default: half the hang timeout
+    assert JobConfig.from_dict({**base, "data": {**streamed, "fetch_timeout_s": 3}}).data_fetch_timeout_s == 3
+    with pytest.raises(ConfigError, match=r"data.fetch_timeout_s \(60\) must be < timeouts.hang_timeout_s \(60\).*"
+                                          "lower data.fetch_timeout_s"):
+        JobConfig.from_dict({**base, "data": {**streamed, "fetch_timeout_s": 60}})
+    with pytest.raises(ConfigError, match="data.fetch_timeout_s"):
+        JobConfig.from_dict({**base, "data": {**streamed, "fetch_timeout_s": 0}})
+    with pytest.raises(ConfigError, match=r"chaos\[0\]: stall_data_block .* needs data.source parquet or dataset"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "stall_data_block", "at_step": 1}]})
+
+
+def test_data_fetch_error_keeps_its_step_and_rank_across_pickling():
+    import pickle
+
+    from airay.data import DataFetchError, pieces_identity
+
+    err = pickle.loads(pickle.dumps(DataFetchError("rank 1, step 7: block lost", 7, 1)))
+    assert (str(err), err.step, err.rank) == ("rank 1, step 7: block lost", 7, 1)
+
+    class Ref:
+        def __init__(self, b):
+            self.b = b
+
+        def binary(self):
+            return self.b
+
+    assert pieces_identity([(Ref(b"a"), 0, 4)]) == pieces_identity([(Ref(b"a"), 0, 4)])
+    assert pieces_identity([(Ref(b"a"), 0, 4)]) != pieces_identity([(Ref(b"b"), 0, 4)])
+
+
+def test_a_stalled_pipeline_is_restarted_then_fails_never_waits_forever():
+    import threading
+    import time
+
+    from airay.feeder import PIPELINE_RETRIES, Feeder
+    from airay.reader import Stream
+
+    class StalledFeeder(Feeder):
+        """Its pipeline produces nothing (as a reader stuck for good would), until told to stop."""
+
+        starts = 0
+        stop = threading.Event()
+
+        def _parquet_pieces(self, start):
+            StalledFeeder.starts += 1
+            while not self.stop.wait(0.02):
+                pass
+            yield from ()
+
+    layout = EpochLayout(96, 8, seed=0, chunk_rows=8, window_steps=2)
+    feeder = StalledFeeder(Stream(None, layout, None, {}, "fp"), max_steps=12, capacity=4)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"did not produce steps 0-2 within 0.2s \(data.pipeline_timeout_s\)"):
+            feeder.steps(0, 3, timeout_s=0.2)
+    finally:
+        StalledFeeder.stop.set()
+        feeder.close()
+    assert StalledFeeder.starts == 1 + PIPELINE_RETRIES  # restarted, then given up
+    assert time.monotonic() - t0 < 5

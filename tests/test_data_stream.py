@@ -1,7 +1,8 @@
 """Parquet data streamed through Ray Data on a real 4-node local cluster: the samples of every
 committed step are the same whatever happens to the world (worker kill, node removal, regrow,
-a driver restart that resumes from a checkpoint), each epoch covers every row once, and the
-losses equal the fault-free run's (rtol as in test_elastic)."""
+a driver restart that resumes from a checkpoint) or to the data (a block lost, a block that never
+arrives), each epoch covers every row once, and the losses equal the fault-free run's (rtol as in
+test_elastic)."""
 
 import shutil
 
@@ -36,7 +37,7 @@ def write_token_parquet(root, rows, files=3, seq_len=32):
     return root
 
 
-def spec(tmp_path, name, data_dir, chaos=(), **overrides):
+def spec(tmp_path, name, data_dir, chaos=(), data_extra=None, **overrides):
     data = {
         "name": name,
         "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.08}},
@@ -45,7 +46,7 @@ def spec(tmp_path, name, data_dir, chaos=(), **overrides):
                       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 8}},
                       "zero_optimization": {"stage": 2}},
         "data": {"source": "parquet", "paths": [str(data_dir)], "columns": ["tokens"], "epochs": EPOCHS,
-                 "seed": 7, "chunk_rows": 20, "window_steps": 3, "record_sample_ids": True},
+                 "seed": 7, "chunk_rows": 20, "window_steps": 3, "record_sample_ids": True, **(data_extra or {})},
         "global_batch_size": GBS, "micro_batch_size": 4, "steps_per_round": 5,
         "scaling": {"min_workers": 2, "max_workers": 4},
         "checkpoint": {"every_n_steps": 5},
@@ -89,7 +90,9 @@ def test_samples_and_losses_survive_faults_regrow_and_driver_restart(tmp_path, l
     # Faults, then a driver restart: a worker is killed (the world shrinks, then regrows when
     # its replacement is up), a node is removed and another added; the first driver stops at
     # step 48 and its last checkpoint (48) is deleted as if it died before writing it, so the
-    # second driver resumes from step 45 and replays steps 45-47.
+    # second driver resumes from step 45 and replays steps 45-47. The second run then loses
+    # data: rank 1's rows of step 52 come from a block whose owner died, and rank 2's of step 57
+    # from one that never arrives; each costs its round (rounds 50-54 and 55-59), on the same world.
     ckpt = tmp_path / "ckpt"
     chaos = [{"fault": "kill_worker", "at_step": 4, "rank": 1}, {"fault": "remove_node", "at_step": 42, "rank": 2},
              {"fault": "add_node", "at_step": 43}]
@@ -100,10 +103,19 @@ def test_samples_and_losses_survive_faults_regrow_and_driver_restart(tmp_path, l
     assert first.world_sizes[:4] == [4, 3, 4, 3]  # shrank, regrew, lost a node
     assert len(events(first.run_dir, "node_lost")) == 1 and len(events(first.run_dir, "worker_failed")) == 1
     shutil.rmtree(step_dir(ckpt, 48))
-    second = fit(spec(tmp_path, "restart", data_dir, checkpoint={"every_n_steps": 5, "path": str(ckpt)}),
-                 echo=False, local_cluster=lc)
+    data_faults = [{"fault": "lose_data_block", "at_step": 52, "rank": 1},
+                   {"fault": "stall_data_block", "at_step": 57, "rank": 2}]
+    second = fit(spec(tmp_path, "restart", data_dir, data_faults, data_extra={"fetch_timeout_s": 4},
+                      checkpoint={"every_n_steps": 5, "path": str(ckpt)}), echo=False, local_cluster=lc)
     assert second.status == "finished" and second.final_step == STEPS
-    assert events(second.run_dir, "checkpoint_loaded")[0]["step"] == 45
+    assert [e["step"] for e in events(second.run_dir, "checkpoint_loaded")] == [45, 50, 55]
+    lost = events(second.run_dir, "data_block_lost")
+    assert [(e["step"], e["rank"], e["round_start"]) for e in lost] == [(52, 1, 50), (57, 2, 55)]
+    assert "OwnerDiedError" in lost[0]["error"] and "within data.fetch_timeout_s=4s" in lost[1]["error"]
+    assert second.world_sizes == [4, 4, 4] and second.restarts == 2  # nobody was replaced or dropped
+    assert [(e["old_world_size"], e["new_world_size"], e["cause"]) for e in events(second.run_dir, "resize_started")] \
+        == [(4, 4, "data_lost")] * 2
+    assert not any(events(second.run_dir, t) for t in ("worker_failed", "hang_detected", "node_lost"))
 
     assert committed_samples(first.run_dir, second.run_dir) == expected
     losses = {**committed_losses(first.run_dir), **committed_losses(second.run_dir)}

@@ -81,3 +81,15 @@ def test_summarize_failures_names_kinds_ranks_nodes_steps():
                                Failure(3.0, "hung", 0, "99999999aa", 12)])
     assert "died x2: ranks [1, 2], nodes ['abcdef12'], steps [7, 9]" in text
     assert "hung x1: ranks [0]" in text
+
+
+def test_a_block_that_cannot_be_fetched_is_a_data_failure_not_a_lost_rank():
+    data = RankOutcome(1, "errored", "DataFetchError: rank 1, step 7: block 00ab did not arrive", cause="DataFetchError",
+                       step=7)
+    v = classify_round([RankOutcome(0, "errored", "gloo: connection reset", cause="RuntimeError"), data,
+                        RankOutcome(2, "ok")])
+    assert v.kind == "data_lost" and v.lost_ranks == () and "rank 1" in v.message
+    assert v.outcomes[1].fault == "data_lost" and not v.outcomes[1].infra and v.outcomes[1].step == 7
+    # A rank really lost in the same round is still replaced; a user bug still fails fast.
+    assert classify_round([RankOutcome(0, "died"), data]).kind == "lost"
+    assert classify_round([RankOutcome(0, "errored", "ValueError", user_error=True), data]).kind == "user_error"

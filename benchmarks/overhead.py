@@ -10,7 +10,7 @@ Throughput is wall time over the steady-state steps (after `--warmup` steps), me
 way on both sides: from the end of step warmup-1 to the end of the last step, no checkpoint in
 between. The two are run alternately, `--repeats` times each, in one invocation.
 
-Usage: python benchmarks/overhead.py [--workers 2] [--steps 80] [--warmup 20] [--repeats 3]
+Usage: python benchmarks/overhead.py [--workers 2] [--steps 300] [--warmup 20] [--repeats 3]
        [--steps-per-round 10] [--json F]
 Target: airay / plain >= 0.97.
 """
@@ -108,7 +108,7 @@ def run_airay(world: int, steps: int, warmup: int, per_round: int, tmp: Path) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=10, help="airay's steps per driver call")

@@ -194,7 +194,7 @@ class CheckpointSpec(_Spec):
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
                     "corrupt_checkpoint", "lose_memory_primary", "slow_worker", "lose_data_block",
                     "stall_data_block"]
-# Faults the driver strikes on the data it hands a round (airay.chaos.spoil_step), not at a round's start.
+# Faults the driver strikes on the data it hands a round (airay.chaos.spoil_rows), not at a round's start.
 DATA_FAULTS = ("lose_data_block", "stall_data_block")
 
 

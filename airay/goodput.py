@@ -63,10 +63,12 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
 
     kept = kept_records(metrics)
     # A step's wait for the previous save's host copies (checkpoint_wait_s) is checkpoint blocking.
-    waits = [m.get("checkpoint_wait_s") or 0.0 for m in metrics]
-    kept_s = sum(m["step_time_s"] - (m.get("checkpoint_wait_s") or 0.0) for m in kept.values())
+    def wait_s(m):
+        return m.get("checkpoint_wait_s") or 0.0
+
+    kept_s = sum(m["step_time_s"] - wait_s(m) for m in kept.values())
     replayed = len(metrics) - len(kept)
-    replayed_s = sum(m["step_time_s"] for m in metrics) - sum(waits) - kept_s
+    replayed_s = sum(m["step_time_s"] - wait_s(m) for m in metrics) - kept_s
 
     formed = [e["ts"] for e in events if e["type"] == "world_formed"]
     resizes = [e for e in events if e["type"] == "resize_finished"]
@@ -92,7 +94,7 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
         startup += max(0.0, (min(progress) if progress else end) - start)
 
     saves = [e for e in events if e["type"] == "checkpoint_saved"]
-    blocking = sum(e.get("blocking_s", 0.0) for e in saves) + sum(waits)
+    blocking = sum(e.get("blocking_s", 0.0) for e in saves) + sum(wait_s(m) for m in metrics)
     recovery = 0.0
     for t0, t1, r, at_step in windows:
         inside = r.get("checkpoint_s", 0.0)  # a grow checkpoints first, inside its window

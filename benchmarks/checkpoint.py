@@ -117,14 +117,13 @@ def airay_runs(repeats: int, bucket_uri, work: Path, model: dict) -> dict:
             assert first.status == "finished", first.error
             ev = read_jsonl(run / "events.jsonl")
             saves = [e for e in ev if e["type"] == "checkpoint_saved"]
-            first_record = {}
-            for m in read_jsonl(run / "metrics.jsonl"):  # a replayed step's later record is left out
+            records, first_record = read_jsonl(run / "metrics.jsonl"), {}
+            for m in records:  # a replayed step's later record is left out
                 first_record.setdefault(m["step"], m)
             followed = [e for e in saves if e["step"] in first_record]
             for e in followed:
                 # The largest wait any record of the next step saw (a replay after a reload included).
-                wait = max(m.get("checkpoint_wait_s", 0.0) for m in read_jsonl(run / "metrics.jsonl")
-                           if m["step"] == e["step"])
+                wait = max(m.get("checkpoint_wait_s", 0.0) for m in records if m["step"] == e["step"])
                 blocking.append(e["blocking_s"] + wait)
                 save_call.append(e["blocking_s"])
                 copy_wait.append(wait)

@@ -16,7 +16,7 @@ Samples/s per worker: rows a worker received over the time from its first to its
 sum(data_wait_s) / sum(step_time_s) over its steps after the first round (the first round
 includes the pipeline's start-up).
 
-Known problem (open in issue 3): the default size hung on the airay side in earlier runs (a
+Known problem (cause not established): the default size hung on the airay side in earlier runs (a
 worker's ray.get of a block never returned, a fetch that began just after Ray Data let the
 block's reader actor go). Not reproduced since the readers keep decoded row groups and workers
 fetch each block once (2 runs of 3 repeats at 60,000 rows); the cause is not established

@@ -12,7 +12,7 @@ from pathlib import Path
 from airay.config import ConfigError, JobConfig
 from airay.controller import Controller, Result
 from airay.events import RunRecorder
-from airay.feeder import prepare, prepare_dataset
+from airay.data.prepare import prepare, prepare_dataset
 from airay.local_cluster import LocalCluster
 
 

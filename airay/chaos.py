@@ -143,6 +143,17 @@ def bad_block(kind: str) -> tuple[Any, Any]:
         owner = ray.remote(_BlockOwner).options(num_cpus=0).remote()
         (ref,) = ray.get(owner.block.remote())
         ray.kill(owner, no_restart=True)
+        # ray.kill returns before the process is gone: until it is, the block can still be
+        # fetched, and the fault would not strike.
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                ray.get(owner.__ray_ready__.remote(), timeout=1)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                continue
+            time.sleep(0.05)
         return ref, lambda: None
     ref = ray.remote(_never_scheduled).options(num_cpus=0, resources={"airay_chaos_never": 1}).remote()
     return ref, lambda: ray.cancel(ref, force=True)

@@ -120,7 +120,12 @@ class ScalingSpec(_Spec):
     resources_per_worker: dict[str, float] | None = Field(
         None, description="Ray resources of one worker's bundle; default {'GPU': 1} where the cluster "
         "has GPUs, else {'CPU': 1}")
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = Field(
+        "PACK", description="Ray placement strategy of each placement group airay reserves; with STRICT_PACK "
+        "each group is one node's bundles, so capacity is counted per node")
+    world_size_multiple: int = Field(
+        1, ge=1, description="the world only takes sizes that are multiples of this, e.g. 8: it shrinks and "
+        "grows by whole 8-GPU nodes (a lost GPU idles the rest of its node until it is replaced)")
 
     @model_validator(mode="after")
     def _ordered(self) -> "ScalingSpec":
@@ -128,7 +133,16 @@ class ScalingSpec(_Spec):
             raise ValueError(
                 f"min_workers ({self.min_workers}) > max_workers ({self.max_workers}); "
                 "set scaling.min_workers <= scaling.max_workers")
+        if not self.world_sizes:
+            raise ValueError(
+                f"no multiple of world_size_multiple ({self.world_size_multiple}) lies in min_workers..max_workers "
+                f"({self.min_workers}..{self.max_workers}); widen the range or change scaling.world_size_multiple")
         return self
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """The world sizes the run may take, smallest first."""
+        return policy.allowed_world_sizes(self.min_workers, self.max_workers, self.world_size_multiple)
 
     @field_validator("resources_per_worker")
     @classmethod
@@ -281,7 +295,9 @@ class JobConfig(_Spec):
     deepspeed: dict[str, Any] | str = Field(
         default_factory=lambda: {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
         description="DeepSpeed config, inline or a JSON file path; airay sets the batch fields")
-    global_batch_size: int = Field(ge=1)
+    global_batch_size: int = Field(ge=1, description="samples per step at every world size: ranks take "
+                                   "global_batch_size // world or one more (any world size works), and "
+                                   "the update is the exact mean over the global batch")
     micro_batch_size: int = Field(ge=1, description="largest micro-batch one worker may take")
     max_steps: int | None = Field(None, ge=1, description="steps to train; with a dataset, default "
                                   "data.epochs x steps per epoch")
@@ -321,8 +337,7 @@ class JobConfig(_Spec):
     @model_validator(mode="after")
     def _plans_and_chaos(self) -> "JobConfig":
         try:
-            policy.batch_plans(self.global_batch_size, self.micro_batch_size,
-                               self.scaling.min_workers, self.scaling.max_workers)
+            policy.batch_plans(self.global_batch_size, self.micro_batch_size, self.scaling.world_sizes)
         except policy.PolicyError as exc:
             raise ValueError(str(exc)) from exc
         if self.max_steps is None and self.data.epochs is None:

@@ -18,14 +18,13 @@ from airay import chaos, goodput, policy
 from airay.checkpoint import CheckpointInfo, Checkpointer, memory_root, replica_root
 from airay.config import DATA_FAULTS, JobConfig
 from airay.events import RunRecorder, read_jsonl
-from airay.feeder import DataLog, Feeder, Stream
+from airay.data.pipeline import DataLog, Feeder, Stream
 from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
     summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.placement import default_worker_resources
-from airay.sampling import rank_rows
 from airay.telemetry import Telemetry, eta_s, progress_line
-from airay.worker_group import WorkerGroup, node_died
+from airay.worker_group import WorkerGroup, nodes_died
 
 
 # How long to wait for Ray to declare a node dead when an actor became unreachable. With the
@@ -82,8 +81,8 @@ class Controller:
         self.cfg = config
         self.rec = recorder
         self.local = local
-        self.plans = policy.batch_plans(config.global_batch_size, config.micro_batch_size,
-                                        config.scaling.min_workers, config.scaling.max_workers)
+        self.sizes = config.scaling.world_sizes  # allowed world sizes, smallest first
+        self.plans = policy.batch_plans(config.global_batch_size, config.micro_batch_size, self.sizes)
         ck = config.checkpoint
         root = ck.path or str(recorder.run_dir / "checkpoints")
         memory = memory_root(ck.memory_path, root) if ck.fast_every_n_steps else None
@@ -167,16 +166,22 @@ class Controller:
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                  self.cfg.timeouts.survivor_drain_s, replica)
         self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
+        # Room for the whole world, as a standing request the autoscaler acts on (a launcher
+        # cluster that starts small grows; a lost node is replaced), withdrawn when the run ends.
+        self.group.demand(sc.max_workers)
         deadline = time.time() + self.cfg.timeouts.capacity_wait_s
         size = None
         while size is None:
             capacity = self.group.capacity()
-            fit_now = policy.choose_world_size(capacity, sc.min_workers, sc.max_workers)
+            fit_now = policy.choose_world_size(capacity, self.sizes)
             # Ray's per-node resource view lags by up to a second (e.g. right after another run
             # released its bundles), so ask for the full world first and let GCS decide.
-            for candidate in dict.fromkeys([sc.max_workers, fit_now]):
-                if candidate is not None and self.group.reserve(candidate, timeout_s=3.0):
-                    size = candidate
+            for candidate in dict.fromkeys([self.sizes[-1], fit_now]):
+                placed = len(self.group.pending) + len(self.group.standby)
+                if candidate is not None and candidate > placed:
+                    self.group.reserve(candidate - placed, timeout_s=3.0)
+                size = policy.choose_world_size(len(self.group.pending) + len(self.group.standby), self.sizes)
+                if size is not None:
                     break
             if size is not None:
                 break
@@ -252,6 +257,12 @@ class Controller:
         self.incidents.append(self.t_detect)
         old = len(group.active)
         hangs = {h["rank"]: h for h in group.hangs}
+        # Whether each lost rank's node died, asked once per node (an 8-GPU node loses 8 ranks):
+        # "Unavailable" (not "died") means Ray lost contact with the actor's node, so its health
+        # check gets a moment (NODE_VERDICT_WAIT_S) to tell a dead node from a dead process.
+        lost = [r for r in verdict.lost_ranks if verdict.outcomes[r].kind != "hung"]
+        suspects = {group.member(r).node_id for r in lost if "unavailable" in verdict.outcomes[r].error.lower()}
+        dead_nodes = nodes_died({group.member(r).node_id for r in lost}, suspects, NODE_VERDICT_WAIT_S)
         for rank in verdict.lost_ranks:
             m = group.member(rank)
             outcome = verdict.outcomes[rank]
@@ -262,10 +273,7 @@ class Controller:
                                error=outcome.error)
                 kind = "hung"
             else:
-                # "Unavailable" (not "died") means Ray lost contact with the actor's node: give its
-                # health check a moment to tell a dead node from a dead process (NODE_VERDICT_WAIT_S).
-                suspect = "unavailable" in outcome.error.lower()
-                lost_node = node_died(m.node_id, NODE_VERDICT_WAIT_S if suspect else 0.0)
+                lost_node = m.node_id in dead_nodes
                 kind = "node_lost" if lost_node else outcome.fault
                 self.rec.event("node_lost" if lost_node else "worker_failed", step=self.step, rank=rank,
                                node_id=m.node_id, outcome=outcome.fault, error=outcome.error,
@@ -289,17 +297,17 @@ class Controller:
         t_drained = time.time()
         sc = self.cfg.scaling
         group.poll_pending()
-        decision = policy.decide_recovery(len(group.active), len(group.standby), sc.min_workers, sc.max_workers)
+        decision = policy.decide_recovery(len(group.active), len(group.standby), self.sizes)
         if decision.action == "wait":
-            need = sc.min_workers - len(group.active)
-            self.rec.event("waiting_for_capacity", step=self.step, have=len(group.active), need=sc.min_workers,
+            need = self.sizes[0] - len(group.active)
+            self.rec.event("waiting_for_capacity", step=self.step, have=len(group.active), need=self.sizes[0],
                            timeout_s=self.cfg.timeouts.capacity_wait_s)
             self._reserve_free_capacity()  # e.g. an excluded node's workers are replaced elsewhere
             if not group.wait_for_standby(need, self.cfg.timeouts.capacity_wait_s):
                 raise RunFailed(
                     f"world fell to {len(group.active)} worker(s), below scaling.min_workers={sc.min_workers}, "
                     f"and no capacity returned within timeouts.capacity_wait_s={self.cfg.timeouts.capacity_wait_s}s")
-            decision = policy.decide_recovery(len(group.active), len(group.standby), sc.min_workers, sc.max_workers)
+            decision = policy.decide_recovery(len(group.active), len(group.standby), self.sizes)
         new = decision.new_world_size
         t_ckpt = time.time()
         ckpt = self.ckpt.latest(self.group)
@@ -338,7 +346,7 @@ class Controller:
     def _growing(self) -> State:
         """Capacity came back: checkpoint this step, re-form bigger, reload it, go on (no step lost)."""
         old = len(self.group.active)
-        new = policy.should_grow(old, len(self.group.standby), self.cfg.scaling.max_workers)
+        new = policy.should_grow(old, len(self.group.standby), self.sizes)
         t0 = time.time()
         self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="grow")
         if self.ckpt.last_saved_step != self.step and not self._checkpoint():
@@ -404,7 +412,9 @@ class Controller:
                 **(parts or {}), "reform_s": t_load - t_form, "reload_s": time.time() - t_load, **timings})
         self.rec.event("world_formed", step=self.step, world_size=size, plan=asdict(self.plans[size]),
                        **{k: round(v, 4) for k, v in timings.items()},
-                       workers=[{k: m.info.get(k) for k in ("node_id", "pid", "device", "gpu_ids", "backend")}
+                       workers=[{**{k: m.info.get(k) for k in ("node_id", "pid", "device", "gpu_ids", "backend")},
+                                 **{k: m.joined.get(k) for k in ("local_rank", "cuda_visible_devices", "cuda_device",
+                                                                 "engine_device")}}
                                 for m in self.group.active])
         return True
 
@@ -459,13 +469,13 @@ class Controller:
         return self._ok(outcomes)
 
     def _can_grow(self) -> bool:
-        group, max_w = self.group, self.cfg.scaling.max_workers
+        group = self.group
         for m in group.poll_pending():
             self.rec.event("worker_ready", step=self.step, node_id=m.node_id, start_s=time.time() - m.started)
         while group.start_failures:
             self.rec.event("worker_start_failed", step=self.step, error=group.start_failures.pop(0))
         self._reserve_free_capacity()
-        return policy.should_grow(len(group.active), len(group.standby), max_w) is not None
+        return policy.should_grow(len(group.active), len(group.standby), self.sizes) is not None
 
     def _reserve_free_capacity(self) -> None:
         """Start workers (in the background) on free capacity, up to max_workers in all."""
@@ -534,7 +544,7 @@ class Controller:
                 continue
             ref, cleanup = chaos.bad_block(fault.fault)
             self.chaos_cleanups.append(cleanup)
-            feed[fault.at_step] = chaos.spoil_rows(feed[fault.at_step], *rank_rows(self.plans[world], fault.rank), ref)
+            feed[fault.at_step] = chaos.spoil_rows(feed[fault.at_step], *self.plans[world].rank_rows(fault.rank), ref)
             self.rec.event("fault_injected", step=fault.at_step, fault=fault.fault, rank=fault.rank,
                            round_start=start, block=ref.hex())
             struck = True

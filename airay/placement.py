@@ -1,4 +1,5 @@
-"""Resource discovery: what one worker's bundle asks for, and how many bundles fit now."""
+"""Resource discovery and demand: what one worker's bundle asks for, how many bundles fit now,
+how a reservation is split into placement groups, and the standing demand the autoscaler sees."""
 
 from __future__ import annotations
 
@@ -10,13 +11,31 @@ def default_worker_resources(cluster_resources: dict[str, float]) -> dict[str, f
     return {"GPU": 1.0} if cluster_resources.get("GPU", 0) > 0 else {"CPU": 1.0}
 
 
+def fits_per_node(available_per_node: list[dict[str, float]], per_worker: dict[str, float]) -> list[int]:
+    """How many worker bundles fit in each node's free resources (a bundle never spans nodes)."""
+    return [max(0, min((math.floor(free.get(k, 0.0) / v + 1e-9) for k, v in per_worker.items()), default=0))
+            for free in available_per_node]
+
+
 def bundles_that_fit(available_per_node: list[dict[str, float]], per_worker: dict[str, float]) -> int:
-    """How many worker bundles fit in the nodes' free resources (bundles never span nodes)."""
-    total = 0
-    for free in available_per_node:
-        fits = min((math.floor(free.get(k, 0.0) / v + 1e-9) for k, v in per_worker.items()), default=0)
-        total += max(0, fits)
-    return total
+    """How many worker bundles fit in the nodes' free resources, each node counted apart."""
+    return sum(fits_per_node(available_per_node, per_worker))
+
+
+def group_sizes(n: int, fits: list[int], strategy: str) -> list[int]:
+    """The placement groups (bundles in each) that reserve `n` workers. One group, where GCS
+    may spread it over nodes; with STRICT_PACK a group must fit on one node, so it is one group
+    per node, the roomiest nodes first, each at most what that node fits now (fewer than `n`
+    in all when the nodes fit fewer)."""
+    if strategy != "STRICT_PACK":
+        return [n] if n > 0 else []
+    out = []
+    for fit in sorted(fits, reverse=True):
+        if n <= 0 or fit <= 0:
+            break
+        out.append(min(fit, n))
+        n -= out[-1]
+    return out
 
 
 def actor_options(per_worker: dict[str, float]) -> dict:
@@ -50,3 +69,28 @@ def avoid_nodes(node_ids: set[str], n_bundles: int) -> list[dict[str, str]] | No
     if not node_ids:
         return None
     return [{"ray.io/node-id": f"!in({','.join(sorted(node_ids))})"} for _ in range(n_bundles)]
+
+
+def off_driver_node() -> dict:
+    """Ray options that keep a helper actor (data readers) off the driver's node, spread over
+    the others: the driver's node (the head of a launcher cluster) does no heavy work. Empty on
+    a cluster of one node, where there is nowhere else."""
+    import ray
+
+    driver = ray.get_runtime_context().get_node_id()
+    if not any(n["Alive"] and n["NodeID"] != driver for n in ray.nodes()):
+        return {}
+    return {"scheduling_strategy": "SPREAD", "label_selector": {"ray.io/node-id": f"!{driver}"}}
+
+
+def request_capacity(per_worker: dict[str, float], n: int, exclude: set[str] | frozenset[str] = frozenset()) -> None:
+    """Tell the autoscaler the run wants room for `n` worker bundles (the whole world at
+    max_workers, the bundles in use included), off excluded nodes. The request stands until it
+    is replaced: a node lost later (a spot reclaim) is launched again. n = 0 withdraws it.
+    Ray keeps one such request per cluster, so two jobs asking at once replace each other's."""
+    from ray.autoscaler.sdk import request_resources
+
+    bundles = [dict(per_worker) for _ in range(n)]
+    selectors = avoid_nodes(set(exclude), n)
+    request_resources(bundles=bundles, bundle_label_selectors=selectors) if selectors \
+        else request_resources(bundles=bundles)

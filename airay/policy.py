@@ -17,70 +17,83 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one world size reaches the fixed global batch: world × micro × accumulation."""
+    """How a world of `world_size` ranks trains on exactly `global_batch_size` samples a step.
+
+    Rank r takes a contiguous share of the step's samples: global // world of them, one more for
+    each of the first global % world ranks, so any world size works, not only divisors. Every
+    rank runs `grad_accum_steps` micro-batches (DeepSpeed's collectives must pair up across ranks)
+    of at most `micro_batch_size` samples; a rank with fewer samples has smaller micro-batches,
+    or a padded one (a copy of one of its samples whose loss weight is 0). Each micro-batch's mean
+    loss is scaled by `loss_scale(samples)` before backward, which makes DeepSpeed's mean over
+    ranks and micro-batches the exact mean over the global batch (the scale is 1.0 when every
+    micro-batch is full-size, as with a world size that divides the batch).
+    """
 
     world_size: int
-    micro_batch_size: int
+    global_batch_size: int
+    micro_batch_size: int  # the largest micro-batch of any rank
     grad_accum_steps: int
 
-    @property
-    def per_worker(self) -> int:
-        return self.micro_batch_size * self.grad_accum_steps
+    def rank_rows(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of `rank`'s samples within a step's global batch."""
+        base, extra = divmod(self.global_batch_size, self.world_size)
+        start = rank * base + min(rank, extra)
+        return start, start + base + (rank < extra)
 
-    @property
-    def global_batch_size(self) -> int:
-        return self.world_size * self.per_worker
+    def micro_sizes(self, rank: int) -> list[int]:
+        """Samples in each of `rank`'s micro-batches, in order; 0 marks a padded micro-batch."""
+        lo, hi = self.rank_rows(rank)
+        base, extra = divmod(hi - lo, self.grad_accum_steps)
+        return [base + (i < extra) for i in range(self.grad_accum_steps)]
+
+    def loss_scale(self, samples: int) -> float:
+        """Factor for a micro-batch's mean loss: DeepSpeed divides the summed gradients by
+        world_size x grad_accum_steps, the global mean needs samples / global_batch_size."""
+        return samples * self.world_size * self.grad_accum_steps / self.global_batch_size
 
     def deepspeed_fields(self) -> dict[str, int]:
+        # DeepSpeed checks train_batch_size == micro x accumulation x world: that is the plan's
+        # slots (padded ones included), not the global batch, which airay keeps itself.
         return {
-            "train_batch_size": self.global_batch_size,
+            "train_batch_size": self.micro_batch_size * self.grad_accum_steps * self.world_size,
             "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": self.grad_accum_steps,
         }
 
 
 def plan_batch(global_batch_size: int, max_micro_batch: int, world_size: int) -> BatchPlan | None:
-    """The plan with the largest micro-batch <= max_micro_batch, or None if none is exact.
-
-    Every worker takes the same number of samples and every micro-batch has the same size, so
-    DeepSpeed's mean of per-rank mean gradients is exactly the global-batch mean gradient.
-    """
-    if world_size < 1 or global_batch_size % world_size:
+    """The plan with the fewest micro-batches of at most `max_micro_batch` samples (the largest
+    rank's share split evenly), or None when the world has more ranks than the batch has samples."""
+    if world_size < 1 or max_micro_batch < 1 or world_size > global_batch_size:
         return None
-    per_worker = global_batch_size // world_size
-    for micro in range(min(max_micro_batch, per_worker), 0, -1):
-        if per_worker % micro == 0:
-            return BatchPlan(world_size, micro, per_worker // micro)
-    return None
+    largest_share = -(-global_batch_size // world_size)
+    accum = -(-largest_share // max_micro_batch)
+    return BatchPlan(world_size, global_batch_size, -(-largest_share // accum), accum)
 
 
-def batch_plans(global_batch_size: int, max_micro_batch: int, min_workers: int,
-                max_workers: int) -> dict[int, BatchPlan]:
-    """Plans for every world size in [min_workers, max_workers]; refuses if any size has none."""
-    plans = {w: plan_batch(global_batch_size, max_micro_batch, w) for w in range(min_workers, max_workers + 1)}
-    missing = [w for w, p in plans.items() if p is None]
-    if missing:
+def allowed_world_sizes(min_workers: int, max_workers: int, multiple: int = 1) -> list[int]:
+    """World sizes a run may take: [min_workers, max_workers], multiples of `multiple` only
+    (e.g. 8: the world changes by whole 8-GPU nodes)."""
+    return [w for w in range(min_workers, max_workers + 1) if w % multiple == 0]
+
+
+def batch_plans(global_batch_size: int, max_micro_batch: int, sizes: list[int]) -> dict[int, BatchPlan]:
+    """Plans for every allowed world size; refuses what cannot work, naming the field and a fix."""
+    if not sizes:
+        raise PolicyError("no world size is allowed: scaling.min_workers..max_workers holds no multiple of "
+                          "scaling.world_size_multiple; widen the range or change the multiple")
+    if max(sizes) > global_batch_size:
         raise PolicyError(
-            f"global_batch_size {global_batch_size} cannot be split evenly over world sizes {missing} "
-            f"(allowed by scaling.min_workers..max_workers = {min_workers}..{max_workers}); choose a "
-            f"global_batch_size divisible by every size in that range (e.g. "
-            f"{_lcm_range(min_workers, max_workers)} or a multiple), or narrow the range")
-    return plans  # type: ignore[return-value]
+            f"global_batch_size {global_batch_size} is smaller than world size {max(sizes)} (scaling.max_workers): "
+            f"ranks would train on no sample; raise global_batch_size to at least {max(sizes)} or lower "
+            "scaling.max_workers")
+    return {w: plan_batch(global_batch_size, max_micro_batch, w) for w in sizes}  # type: ignore[misc]
 
 
-def _lcm_range(lo: int, hi: int) -> int:
-    from math import lcm
-
-    out = 1
-    for w in range(lo, hi + 1):
-        out = lcm(out, w)
-    return out
-
-
-def choose_world_size(capacity: int, min_workers: int, max_workers: int) -> int | None:
-    """Largest world size that fits `capacity` workers, or None below min_workers."""
-    size = min(capacity, max_workers)
-    return size if size >= min_workers else None
+def choose_world_size(capacity: int, sizes: list[int]) -> int | None:
+    """Largest allowed world size that fits `capacity` workers, or None below the smallest."""
+    fits = [w for w in sizes if w <= capacity]
+    return max(fits) if fits else None
 
 
 @dataclass(frozen=True)
@@ -91,19 +104,36 @@ class RecoveryDecision:
     new_world_size: int | None = None
 
 
-def decide_recovery(survivors: int, free_slots: int, min_workers: int, max_workers: int) -> RecoveryDecision:
-    """Shrink to the survivors (plus any placed, idle capacity) or wait for min_workers to fit."""
-    size = choose_world_size(survivors + free_slots, min_workers, max_workers)
+def decide_recovery(survivors: int, free_slots: int, sizes: list[int]) -> RecoveryDecision:
+    """Shrink to the largest allowed size the survivors (plus any placed, idle capacity) fill,
+    or wait for the smallest allowed size to fit."""
+    size = choose_world_size(survivors + free_slots, sizes)
     if size is None:
         return RecoveryDecision("wait")
     return RecoveryDecision("resize", size)
 
 
-def should_grow(world_size: int, free_slots: int, max_workers: int) -> int | None:
-    """New world size when idle capacity can add workers, else None."""
-    if world_size >= max_workers or free_slots <= 0:
-        return None
-    return min(max_workers, world_size + free_slots)
+def should_grow(world_size: int, free_slots: int, sizes: list[int]) -> int | None:
+    """New world size when idle capacity makes a larger allowed size, else None."""
+    size = choose_world_size(world_size + free_slots, sizes)
+    return size if size is not None and size > world_size else None
+
+
+def ranks_to_idle(rank_nodes: list[str | None], keep: int) -> list[int]:
+    """Which of the current ranks step out (to stand by) when only `keep` of them fit an allowed
+    world size: those on the nodes with the fewest ranks first (a node that lost a GPU, not a
+    whole one), the highest ranks of a node first. Returns them sorted."""
+    per_node: dict[str | None, list[int]] = {}
+    for rank, node in enumerate(rank_nodes):
+        per_node.setdefault(node, []).append(rank)
+    order = sorted(per_node.values(), key=lambda ranks: (len(ranks), -ranks[0]))
+    out: list[int] = []
+    for ranks in order:
+        for rank in reversed(ranks):
+            if len(out) == len(rank_nodes) - keep:
+                return sorted(out)
+            out.append(rank)
+    return sorted(out)
 
 
 def next_round_end(step: int, max_steps: int, steps_per_round: int, every_n_steps: int,

@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from airay import placement
+from airay import placement, policy
 from airay.checkpoint import CheckpointInfo, Committer, MemoryReplica
 from airay.storage import Storage
 from airay.health import RankOutcome, find_hung, position
@@ -34,6 +34,7 @@ class Member:
     ready_ref: Any
     info: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    joined: dict[str, Any] = field(default_factory=dict)  # what its last join handed torch and DeepSpeed
 
     @property
     def node_id(self) -> str | None:
@@ -56,6 +57,7 @@ class WorkerGroup:
         self.first_failure_ts: float | None = None  # when the last failed call was first noticed
         self.hangs: list[dict[str, Any]] = []  # the hung ranks of the last failed round, and why
         self.excluded: set[str] = set()  # nodes kept out of placement for the rest of the run
+        self.demanded = 0  # worker bundles requested from the autoscaler (placement.request_capacity)
         self._actor_cls = ray.remote(concurrency_groups={"control": 1, "io": 1})(TrainWorker)
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if per_worker.get("GPU") else {}
         self._actor_opts = {**placement.actor_options(per_worker), "max_restarts": 0,
@@ -141,18 +143,34 @@ class WorkerGroup:
         return len(self.standby) + placement.bundles_that_fit(
             placement.available_per_node(exclude=self.excluded), self.per_worker)
 
-    def reserve(self, n: int, timeout_s: float) -> bool:
-        """Reserve a placement group of n bundles and start a worker in each (not waited for)."""
-        pg = placement_group([dict(self.per_worker) for _ in range(n)], strategy=self.strategy,
-                             bundle_label_selector=placement.avoid_nodes(self.excluded, n))
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        if not ready:
-            remove_placement_group(pg)
-            return False
-        self.pgs.append(pg)
-        for i in range(n):
-            self._start(pg, i)
-        return True
+    def demand(self, n: int) -> None:
+        """Keep a standing request for `n` worker bundles before the autoscaler (0: withdraw it).
+        Renewed when a node is excluded, so the request is for capacity elsewhere."""
+        self.demanded = n
+        placement.request_capacity(self.per_worker, n, self.excluded)
+
+    def reserve(self, n: int, timeout_s: float) -> int:
+        """Reserve n bundles (in as many placement groups as the strategy needs) and start a
+        worker in each (not waited for); returns the workers started (groups not placed within
+        `timeout_s` are given up)."""
+        fits = placement.fits_per_node(placement.available_per_node(exclude=self.excluded), self.per_worker)
+        pgs = [placement_group([dict(self.per_worker) for _ in range(k)], strategy=self.strategy,
+                               bundle_label_selector=placement.avoid_nodes(self.excluded, k))
+               for k in placement.group_sizes(n, fits, self.strategy)]
+        if not pgs:
+            return 0
+        refs = [pg.ready() for pg in pgs]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        started = 0
+        for pg, ref in zip(pgs, refs):
+            if ref not in ready:
+                remove_placement_group(pg)
+                continue
+            self.pgs.append(pg)
+            for i in range(pg.bundle_count):
+                self._start(pg, i)
+            started += pg.bundle_count
+        return started
 
     def _start(self, pg: PlacementGroup, bundle_index: int) -> Member:
         opts = {k: v for k, v in self._actor_opts.items() if v is not None}
@@ -202,12 +220,18 @@ class WorkerGroup:
         self.standby.sort(key=lambda m: (m.node_id or "", m.bundle_index))
         while len(self.active) < world_size and self.standby:
             self.active.append(self.standby.pop(0))
+        if len(self.active) > world_size:  # an allowed size below the survivors (whole nodes only)
+            idle = policy.ranks_to_idle([m.node_id for m in self.active], world_size)
+            self.standby += [self.active[r] for r in idle]
+            self.active = [m for r, m in enumerate(self.active) if r not in idle]
         assert len(self.active) == world_size, (len(self.active), world_size)
         master = self.active[0]
         port = ray.get(master.actor.free_port.remote())
         refs = [m.actor.join.remote(rank, world_size, master.info["ip"], port, plan.__dict__, load_universal)
                 for rank, m in enumerate(self.active)]
         outcomes, values = self._gather(refs)
+        for m, v in zip(self.active, values):
+            m.joined = v or {}
         timings = {k: max(v[k] for v in values if v) for k in ("process_group_s", "engine_s", "join_s")} \
             if all(values) else {}
         return outcomes, timings
@@ -314,6 +338,8 @@ class WorkerGroup:
         bundles stay reserved by their placement groups until the run ends (Ray cannot release
         one bundle of a group), which also keeps other work of this run off it."""
         self.excluded.add(node_id)
+        if self.demanded:
+            self.demand(self.demanded)  # the request now asks for room off this node
         for pool in (self.standby, self.pending):
             for m in [m for m in pool if m.node_id == node_id or _bundle_node(m) == node_id]:
                 pool.remove(m)
@@ -328,6 +354,11 @@ class WorkerGroup:
     def shutdown(self, timeout_s: float = 15.0) -> None:
         """Kill every actor and remove every placement group this group made, and wait until
         Ray reports them gone, so a run that returns has really given its resources back."""
+        if self.demanded:
+            try:
+                self.demand(0)  # the autoscaler may scale the run's nodes down again
+            except Exception as exc:  # the cluster is going away: nothing left to withdraw from
+                print(f"airay: could not withdraw the autoscaler request: {exc}")
         actors = [m.actor for m in self.active + self.pending + self.standby] + [self.committer]
         actors += [self.replica] if self.replica is not None else []
         for actor in actors:
@@ -357,14 +388,16 @@ def node_alive(node_id: str | None) -> bool:
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
-def node_died(node_id: str | None, wait_s: float) -> bool:
-    """Whether the node is (or within `wait_s` is declared) dead by Ray's health checks."""
+def nodes_died(nodes: set[str | None], suspects: set[str | None], wait_s: float) -> set[str | None]:
+    """Which of `nodes` are dead by Ray's health checks: now, or for `suspects` (nodes Ray lost
+    contact with) within `wait_s`. One wait for them all, however many ranks they held."""
     deadline = time.time() + wait_s
-    while node_alive(node_id):
-        if time.time() >= deadline:
-            return False
+    while True:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        dead = {n for n in nodes if n not in alive}
+        if not (suspects - dead) or time.time() >= deadline:
+            return dead
         time.sleep(0.1)
-    return True
 
 
 def _bundle_node(m: Member) -> str | None:

@@ -60,7 +60,9 @@ def synchronous_saves(repeats: int, uri: str, work: Path, model_kwargs: dict) ->
 
     from airay.models import tiny_gpt
     from airay.storage import Storage
-    from airay.worker import _disable_cpu_shm_comm, engine_config, free_port
+    from airay.worker import free_port
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm as _disable_cpu_shm_comm
+    from airay.worker.engine import engine_config
     from airay.policy import BatchPlan
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
@@ -68,7 +70,7 @@ def synchronous_saves(repeats: int, uri: str, work: Path, model_kwargs: dict) ->
     _disable_cpu_shm_comm()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     model = tiny_gpt.build(**model_kwargs)
-    cfg = engine_config(DEEPSPEED, BatchPlan(1, 2, 1), on_cpu=True, load_universal=False)
+    cfg = engine_config(DEEPSPEED, BatchPlan(1, 2, 2, 1), on_cpu=True, load_universal=False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     batch = {"tokens": torch.randint(0, 256, (2, model_kwargs["seq_len"] + 1))}
     engine.backward(tiny_gpt.loss(engine, batch))

@@ -115,7 +115,7 @@ class Consumer:
     """A worker that only takes its data: the training actor's data path without the model."""
 
     def __init__(self, fetch_timeout_s: float):
-        from airay.data import StreamedSource
+        from airay.data.source import StreamedSource
 
         self.src = StreamedSource(fetch_timeout_s)
         self.n, self.t0, self.t1 = 0, None, None
@@ -149,7 +149,8 @@ def airay_path(root: Path, workers: int, fetch_timeout_s: float, steps_per_round
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from airay import JobConfig
-    from airay.feeder import Feeder, prepare
+    from airay.data.pipeline import Feeder
+    from airay.data.prepare import prepare
     from airay.policy import plan_batch
 
     cfg = JobConfig.from_dict({"model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"seq_len": SEQ - 1}},
@@ -186,7 +187,7 @@ def round_rates(refs: list, timeout_s: float, start: int, end: int) -> list[floa
     Each step's fetch fails within fetch_timeout_s, so a round answers within `timeout_s`."""
     import ray
 
-    from airay.data import DataFetchError
+    from airay.data.source import DataFetchError
 
     try:
         return ray.get(refs, timeout=timeout_s)

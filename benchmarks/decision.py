@@ -33,7 +33,7 @@ def decision_path(outcomes: list[RankOutcome], global_batch: int, max_micro: int
     verdict = classify_round(outcomes)
     lost = set(verdict.lost_ranks)
     survivors = [o.rank for o in outcomes if o.rank not in lost]
-    decision = policy.decide_recovery(len(survivors), 0, min_workers, max_workers)
+    decision = policy.decide_recovery(len(survivors), 0, policy.allowed_world_sizes(min_workers, max_workers))
     plan = policy.plan_batch(global_batch, max_micro, decision.new_world_size)
     new_ranks = {old: new for new, old in enumerate(survivors)}
     end = policy.next_round_end(step, 10**9, 5, 100, [])

@@ -46,9 +46,10 @@ def plain_rank(rank: int, world: int, port: int, steps: int, warmup: int, out: s
     import torch
 
     from airay.config import JobConfig, resolve_callable
-    from airay.data import SyntheticSource
+    from airay.data.source import SyntheticSource
     from airay.policy import plan_batch
-    from airay.worker import _disable_cpu_shm_comm, engine_config
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm as _disable_cpu_shm_comm
+    from airay.worker.engine import backward_micro_batch, engine_config
 
     torch.set_num_threads(1)
     cfg = JobConfig.from_dict({**SPEC, "max_steps": steps, "scaling": {"min_workers": world, "max_workers": world}})
@@ -65,10 +66,8 @@ def plain_rank(rank: int, world: int, port: int, steps: int, warmup: int, out: s
     data = SyntheticSource(resolve_callable(cfg.data.sample_fn), cfg.data.seed, cfg.data.kwargs)
     ends = []
     for step in range(steps):
-        for batch in data.micro_batches(step, rank, plan):
-            loss = loss_fn(engine, batch)
-            engine.backward(loss)
-            engine.step()
+        for batch, samples in zip(data.micro_batches(step, rank, plan), plan.micro_sizes(rank)):
+            backward_micro_batch(engine, loss_fn(engine, batch), samples, plan)
         ends.append(time.time())
     dist.barrier()
     if rank == 0:

@@ -120,10 +120,11 @@ def ray_train_loop(config: dict) -> None:
     import torch.distributed as tdist
 
     from airay.checkpoint import convert_to_universal
-    from airay.data import SyntheticSource
+    from airay.data.source import SyntheticSource
     from airay.models.tiny_gpt import build, loss, synthetic_sample
     from airay.policy import plan_batch
-    from airay.worker import _disable_cpu_shm_comm, engine_config
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm as _disable_cpu_shm_comm
+    from airay.worker.engine import backward_micro_batch, engine_config
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -161,11 +162,10 @@ def ray_train_loop(config: dict) -> None:
     for step in range(start, config["steps"]):
         t_step = time.time()
         loss_sum = 0.0
-        for batch in data.micro_batches(step, rank, plan):
+        for batch, samples in zip(data.micro_batches(step, rank, plan), plan.micro_sizes(rank)):
             out = loss(engine, batch)
-            engine.backward(out)
-            engine.step()
-            loss_sum += float(out.detach()) * plan.micro_batch_size
+            backward_micro_batch(engine, out, samples, plan)
+            loss_sum += float(out.detach()) * samples
         with progress.open("a") as f:
             f.write(json.dumps({"ts": time.time(), "step": step, "pid": os.getpid(), "node": node,
                                 "world": world, "step_time_s": time.time() - t_step}) + "\n")

@@ -84,3 +84,44 @@ def test_dashboard_not_exposed_and_no_secrets(path):
         assert not SECRET_KEY.search(str(key)), where
         assert not (isinstance(value, str) and SECRET_VALUE.search(value)), where
     assert "ssh_private_key" not in raw.get("auth", {}) and "KeyName" not in path.read_text()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_install_lines_pin_the_tested_versions(path):
+    """Every node installs the Ray, DeepSpeed and torch versions pyproject.toml names as tested."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = {Requirement(d).name: Requirement(d) for d in
+            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    pins = dict(re.findall(r'"([a-z]+)(?:\[[a-z,]+\])?==([0-9.]+)"', " ".join(load(path)["setup_commands"])))
+    for name in ("ray", "deepspeed", "torch"):
+        assert name in pins, f"{path.name} does not pin {name}"
+        assert deps[name].specifier.contains(pins[name]), (name, pins[name], str(deps[name].specifier))
+
+
+def airay_commands(text: str) -> list[tuple[str, list[str]]]:
+    """(job spec, --set overrides) of each `airay run|submit jobs/X.yaml ...` command in a text
+    (not the `$ airay ...` lines that show a bad spec's error)."""
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"airay (?:run|submit) (jobs/\S+\.yaml)(.*)", line)
+        if m and not line.lstrip().startswith("$"):
+            out.append((m.group(1), re.findall(r"--set (\S+=\S+)", m.group(2))))
+    return out
+
+
+def test_the_documented_cluster_commands_pass_validation():
+    """README's and the cluster configs' commands, as written, give a valid job: any world size
+    up to max_workers trains on the exact global batch, whole 8-GPU nodes on request."""
+    from airay import JobConfig
+
+    commands = {p.name: airay_commands(p.read_text()) for p in [ROOT / "README.md", *CONFIGS]}
+    assert any("scaling.max_workers=16" in c[1] for c in commands["README.md"])
+    for name, found in commands.items():
+        assert found, name
+        for spec, overrides in found:
+            assert JobConfig.from_yaml(ROOT / spec, overrides).scaling.world_sizes, (name, spec, overrides)
+    (spec, overrides), = commands["aws-gpu.yaml"]
+    assert JobConfig.from_yaml(ROOT / spec, overrides).scaling.world_sizes == [8, 16, 24, 32, 40, 48, 56, 64]

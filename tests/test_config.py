@@ -41,9 +41,21 @@ def test_min_greater_than_max():
     assert "scaling" in msg and "min_workers (5) > max_workers (4)" in msg
 
 
-def test_impossible_batch_plan_names_sizes_and_fix():
-    msg = error_for(lambda s: s.update(global_batch_size=16))
-    assert "global_batch_size 16" in msg and "[3]" in msg and "e.g. 12" in msg
+def test_any_world_size_up_to_the_batch_is_valid():
+    # 16 over 2..4 workers: 3 does not divide it, ranks take 6, 5 and 5 samples.
+    cfg = JobConfig.from_dict({**demo_dict(), "global_batch_size": 16})
+    assert cfg.scaling.world_sizes == [2, 3, 4]
+    msg = error_for(lambda s: s.update(global_batch_size=3))
+    assert "global_batch_size 3 is smaller than world size 4 (scaling.max_workers)" in msg
+    assert "raise global_batch_size to at least 4" in msg
+
+
+def test_world_size_multiple():
+    cfg = JobConfig.from_dict({**demo_dict(), "global_batch_size": 64,
+                               "scaling": {"min_workers": 8, "max_workers": 32, "world_size_multiple": 8}})
+    assert cfg.scaling.world_sizes == [8, 16, 24, 32]
+    msg = error_for(lambda s: s["scaling"].update(min_workers=5, max_workers=7, world_size_multiple=8))
+    assert "scaling" in msg and "no multiple of world_size_multiple (8) lies in min_workers..max_workers (5..7)" in msg
 
 
 def test_missing_model_factory():

@@ -1,25 +1,36 @@
+import pytest
 import torch
 
-from airay import data, policy
+from airay import policy
+from airay.data.layout import micro_batch_rows, step_sample_ids
+from airay.data.source import SyntheticSource
 from airay.models import tiny_gpt
 
 
-def test_every_world_size_trains_on_the_same_samples_per_step():
+@pytest.mark.parametrize("gbs", [24, 16])
+def test_every_world_size_trains_on_the_same_samples_per_step(gbs):
     for step in (0, 7):
-        expected = list(data.step_sample_ids(step, 24))
-        for w in (1, 2, 3, 4, 6):
-            plan = policy.plan_batch(24, 4, w)
-            ids = [i for r in range(w) for mb in data.rank_micro_batch_ids(step, r, plan) for i in mb]
-            assert ids == expected, w
-            assert all(len(mb) == plan.micro_batch_size for r in range(w)
-                       for mb in data.rank_micro_batch_ids(step, r, plan))
+        expected = list(step_sample_ids(step, gbs))
+        for w in (1, 2, 3, 4, 5, 6):
+            plan = policy.plan_batch(gbs, 4, w)
+            rows = [(i, n) for r in range(w) for mb, n in zip(micro_batch_rows(plan, r), plan.micro_sizes(r))
+                    for i in mb if n]
+            assert [expected[i] for i, _ in rows] == expected, w
+            for r in range(w):
+                assert [len(mb) for mb in micro_batch_rows(plan, r)] == [n or 1 for n in plan.micro_sizes(r)]
+
+
+def test_a_padded_micro_batch_repeats_the_ranks_first_sample():
+    plan = policy.plan_batch(16, 1, 3)  # rank 1: 5 samples over 6 micro-batches
+    assert micro_batch_rows(plan, 1) == [range(6, 7), range(7, 8), range(8, 9), range(9, 10), range(10, 11),
+                                         range(6, 7)]
 
 
 def test_synthetic_samples_are_deterministic_and_distinct():
     a = tiny_gpt.synthetic_sample(5, seed=1)["tokens"]
     assert torch.equal(a, tiny_gpt.synthetic_sample(5, seed=1)["tokens"])
     assert not torch.equal(a, tiny_gpt.synthetic_sample(6, seed=1)["tokens"])
-    src = data.SyntheticSource(tiny_gpt.synthetic_sample, 0, {})
+    src = SyntheticSource(tiny_gpt.synthetic_sample, 0, {})
     batches = src.micro_batches(2, 1, policy.plan_batch(24, 4, 3))
     assert [b["sample_id"].tolist() for b in batches] == [[56, 57, 58, 59], [60, 61, 62, 63]]
 
@@ -33,9 +44,10 @@ import pytest
 
 from airay import JobConfig
 from airay.config import ConfigError
-from airay.feeder import prepare
-from airay.parquet import DataError, RowGroupCache, scan
-from airay.sampling import EpochLayout, check_batch_schema, data_stalled
+from airay.data.layout import EpochLayout
+from airay.data.parquet import DataError, RowGroupCache, scan
+from airay.data.pipeline import data_stalled
+from airay.data.prepare import check_batch_schema, prepare
 
 
 def layout(**kw):
@@ -61,9 +73,9 @@ def test_step_rows_split_the_same_way_at_every_world_size():
     lay = layout()
     for step in (0, 7, 44):
         rows = lay.step_rows(step)
-        for w in (2, 3, 4):
+        for w in (2, 3, 4, 5):
             plan = policy.plan_batch(24, 4, w)
-            parts = [rows[slice(*data.rank_rows(plan, r))] for r in range(w)]
+            parts = [rows[slice(*plan.rank_rows(r))] for r in range(w)]
             assert np.array_equal(np.concatenate(parts), rows)
 
 
@@ -205,7 +217,7 @@ def test_fetch_timeout_is_below_the_hang_timeout_and_data_faults_need_streamed_d
 def test_data_fetch_error_keeps_its_step_and_rank_across_pickling():
     import pickle
 
-    from airay.data import DataFetchError, pieces_identity
+    from airay.data.source import DataFetchError, pieces_identity
 
     err = pickle.loads(pickle.dumps(DataFetchError("rank 1, step 7: block lost", 7, 1)))
     assert (str(err), err.step, err.rank) == ("rank 1, step 7: block lost", 7, 1)
@@ -225,8 +237,7 @@ def test_a_stalled_pipeline_is_restarted_then_fails_never_waits_forever():
     import threading
     import time
 
-    from airay.feeder import PIPELINE_RETRIES, Feeder
-    from airay.reader import Stream
+    from airay.data.pipeline import PIPELINE_RETRIES, Feeder, Stream
 
     class StalledFeeder(Feeder):
         """Its pipeline produces nothing (as a reader stuck for good would), until told to stop."""

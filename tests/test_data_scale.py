@@ -53,7 +53,7 @@ def test_dataset_several_times_the_object_store_streams_through(tmp_path, small_
         "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"seq_len": 8, "d_model": 16, "n_layers": 1}},
         "loss_fn": "airay.models.tiny_gpt:loss",
         "data": {"source": "parquet", "paths": [str(tmp_path)], "epochs": 1, "window_steps": 2, "chunk_rows": 20,
-                 "readers": 1, "preprocess": "airay.reader:bytes_to_uint8",
+                 "readers": 1, "preprocess": "airay.data.readers:bytes_to_uint8",
                  "preprocess_kwargs": {"columns": ["payload"]}, "record_sample_ids": True},
         "global_batch_size": 4, "micro_batch_size": 4, "steps_per_round": 5,
         "scaling": {"min_workers": 1, "max_workers": 1}, "checkpoint": {"every_n_steps": 1000},
@@ -92,7 +92,7 @@ def test_a_ray_dataset_passed_to_fit_streams_each_row_once_per_epoch(tmp_path, s
     result = fit(cfg, echo=False, dataset=ds)
     assert result.status == "finished" and result.final_step == 2 * rows // gbs, result.error
     samples = {s["step"]: s["sample_ids"] for s in read_jsonl(f"{result.run_dir}/samples.jsonl")}
-    from airay.sampling import EpochLayout
+    from airay.data.layout import EpochLayout
 
     layout = EpochLayout(rows, gbs, seed=5, chunk_rows=rows, window_steps=4)
     assert all(samples[s] == sorted(layout.step_rows(s).tolist()) for s in samples)
@@ -105,7 +105,7 @@ class Fetcher:
     """A training worker's data path without the model: fetch a rank's rows of given steps."""
 
     def fetch(self, steps, rank, plan):
-        from airay.data import fetch_rank_batches
+        from airay.data.source import fetch_rank_batches
         from airay.policy import BatchPlan
 
         plan = BatchPlan(**plan)
@@ -123,7 +123,8 @@ def test_blocks_stay_fetchable_after_ray_data_releases_its_readers(tmp_path, sma
     after the pipeline has closed (its readers gone) and gets each step's rows. (A suspect in
     benchmarks/data.py's hang at its default size, where a fetch began just after Ray Data let
     the block's reader go and never returned; this test passes, so that alone is not the cause.)"""
-    from airay.feeder import Feeder, prepare
+    from airay.data.pipeline import Feeder
+    from airay.data.prepare import prepare
     from airay.policy import plan_batch
     from tests.test_data_stream import write_token_parquet
 

@@ -82,10 +82,15 @@ def test_samples_and_losses_survive_faults_regrow_and_driver_restart(tmp_path, l
         assert sorted(i for s in steps for i in expected[s]) == list(range(ROWS))
     assert expected[0] != expected[STEPS_PER_EPOCH] != expected[2 * STEPS_PER_EPOCH]
     # The workers trained on exactly these rows: the first step's ids are the layout's.
-    from airay.sampling import EpochLayout
+    from airay.data.layout import EpochLayout
 
     layout = EpochLayout(ROWS, GBS, seed=7, chunk_rows=20, window_steps=3)
     assert expected[13] == sorted(layout.step_rows(13).tolist())
+    # The head (the driver's node) decoded nothing: every reader ran on a node that trains.
+    import ray
+
+    readers = [a for a in ray.state.actors().values() if "MapWorker" in a["ActorClassName"]]
+    assert readers and all(a["Address"]["NodeID"] != lc.cluster.head_node.node_id for a in readers)
 
     # Faults, then a driver restart: a worker is killed (the world shrinks, then regrows when
     # its replacement is up), a node is removed and another added; the first driver stops at

@@ -1,8 +1,10 @@
 """Elasticity on a real multi-node Ray cluster (ray.cluster_utils raylets on this machine).
 
-Tolerance for loss equality: fp32 everywhere; a world of 3 sums gradients in a different order
-(and groups samples into different micro-batches) than a world of 4, so losses agree to float
-rounding, not bit for bit. rtol=1e-4 leaves room for that rounding to accumulate over 60 steps,
+The global batch is 16: a world of 3 does not divide it, so its ranks train on 6, 5 and 5 samples
+(micro-batches of 3, 3 / 3, 2 / 3, 2, each loss weighted by its share) while a world of 4 trains
+on 4 each. Tolerance for loss equality: fp32 everywhere; a world of 3 sums gradients in a
+different order (and groups samples into different micro-batches) than a world of 4, so losses
+agree to float rounding, not bit for bit. rtol=1e-4 leaves room for that rounding to accumulate over 60 steps,
 while a wrong sample, a lost optimizer moment or a skipped LR step moves the loss by far more
 (the loss falls by >0.5 over the run, ~1e-2 per step).
 """
@@ -28,7 +30,8 @@ def spec(tmp_path, name, zero_stage=2, chaos=(), **overrides):
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
                       "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3, "warmup_num_steps": 8}},
                       "zero_optimization": {"stage": zero_stage}},
-        "global_batch_size": 24, "micro_batch_size": 4, "max_steps": 60, "steps_per_round": 5,
+        "global_batch_size": 16, "micro_batch_size": 4, "max_steps": 60, "steps_per_round": 5,
+        "data": {"record_sample_ids": True},
         "scaling": {"min_workers": 2, "max_workers": 4},
         "checkpoint": {"every_n_steps": 5},
         "timeouts": {"capacity_wait_s": 60},
@@ -43,12 +46,21 @@ def events(result, type_):
     return [e for e in read_jsonl(f"{result.run_dir}/events.jsonl") if e["type"] == type_]
 
 
+def committed_samples(run_dir) -> dict[int, list[int]]:
+    """Each committed step's sample ids (a replayed step's later line wins, as in metrics)."""
+    return {r["step"]: r["sample_ids"] for r in read_jsonl(f"{run_dir}/samples.jsonl")}
+
+
 def assert_same_losses(run, baseline):
     a, b = committed_losses(run.run_dir), committed_losses(baseline.run_dir)
     assert sorted(a) == sorted(b) == list(range(60))
     for step in b:
         assert a[step] == pytest.approx(b[step], rel=RTOL), step
     assert b[59] < b[0] - 0.5  # it trained: equality is not between two flat lines
+    # The same samples at every step, whatever the world size (no padded slot counted twice).
+    samples = committed_samples(run.run_dir)
+    assert samples == committed_samples(baseline.run_dir)
+    assert all(ids == list(range(16 * step, 16 * (step + 1))) for step, ids in samples.items())
 
 
 @pytest.fixture(scope="module")
@@ -128,20 +140,41 @@ def test_below_min_workers_fails_cleanly_and_keeps_checkpoints(tmp_path, local_c
     assert_released()
 
 
-def test_gpu_scheduling_path_with_logical_gpus(tmp_path, local_cluster):
-    """Nodes with logical GPUs: bundles default to {GPU: 1}, each worker is given its node's GPU
-    (Ray's CUDA masking off, so co-located ranks could see each other's devices); without CUDA
-    the training itself falls back to CPU and gloo."""
-    local_cluster(nodes=2, cpus_per_node=1, gpus_per_node=1)
-    result = fit(spec(tmp_path, "gpu", 2, max_steps=6, scaling={"min_workers": 1, "max_workers": 2},
+def test_one_gpu_per_rank_on_multi_gpu_nodes(tmp_path, local_cluster):
+    """2 nodes x 2 logical GPUs, the second node's raylet under CUDA_VISIBLE_DEVICES=6,7 (as SLURM
+    or Kubernetes hand a node a subset). Bundles default to {GPU: 1}; each rank reports, from
+    inside its process, what it handed DeepSpeed: LOCAL_RANK (the CUDA ordinal DeepSpeed binds its
+    device and NCCL's to), CUDA_VISIBLE_DEVICES and the CUDA device. Without CUDA the training
+    itself falls back to CPU and gloo."""
+    import os
+
+    lc = local_cluster(nodes=1, cpus_per_node=2, gpus_per_node=2)
+    os.environ["CUDA_VISIBLE_DEVICES"] = "6,7"  # inherited by the raylet started now, and its workers
+    try:
+        subset = lc.cluster.add_node(num_cpus=2, num_gpus=2, object_store_memory=lc.spec.object_store_memory).node_id
+    finally:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    result = fit(spec(tmp_path, "gpu", 2, max_steps=4, scaling={"min_workers": 1, "max_workers": 4},
                       model={"factory": "airay.models.tiny_gpt:build"}), echo=False)
-    assert result.status == "finished" and result.world_sizes == [2]
+    assert result.status == "finished" and result.world_sizes == [4]
     placement = events(result, "placement")[0]
     assert placement["resources_per_worker"] == {"GPU": 1.0}
     workers = events(result, "world_formed")[0]["workers"]
-    assert [w["gpu_ids"] for w in workers] == [["0"], ["0"]]  # one GPU on each of two nodes
-    assert len({w["node_id"] for w in workers}) == 2
-    assert all(w["device"] == "cpu" and w["backend"] == "gloo" for w in workers)
+    by_node = {}
+    for w in workers:
+        by_node.setdefault(w["node_id"], []).append(w)
+    assert sorted(len(ws) for ws in by_node.values()) == [2, 2]
+    for node, ws in by_node.items():
+        ws.sort(key=lambda w: w["local_rank"])
+        assert [w["local_rank"] for w in ws] == [0, 1]  # no two ranks of a node share a device
+        assert [w["cuda_device"] for w in ws] == ["cuda:0", "cuda:1"]
+        if node == subset:
+            assert [w["gpu_ids"] for w in ws] == [["6"], ["7"]]  # Ray's ids: entries of the raylet's list
+            assert {w["cuda_visible_devices"] for w in ws} == {"6,7"}  # not masked: NCCL sees both
+        else:
+            assert [w["gpu_ids"] for w in ws] == [["0"], ["1"]]
+            assert {w["cuda_visible_devices"] for w in ws} == {None}
+    assert all(w["device"] == "cpu" and w["backend"] == "gloo" and w["engine_device"] == "cpu" for w in workers)
     assert_released()
 
 

@@ -5,47 +5,107 @@ from airay.policy import BatchPlan
 
 
 def test_plan_keeps_global_batch_and_prefers_large_micro_batches():
-    assert policy.plan_batch(24, 4, 4) == BatchPlan(4, 3, 2)
-    assert policy.plan_batch(24, 4, 3) == BatchPlan(3, 4, 2)
-    assert policy.plan_batch(24, 4, 2) == BatchPlan(2, 4, 3)
-    assert policy.plan_batch(24, 8, 1) == BatchPlan(1, 8, 3)
-    for w in (1, 2, 3, 4, 6, 8, 12, 24):
-        plan = policy.plan_batch(24, 5, w)
-        assert plan.global_batch_size == 24 and plan.micro_batch_size <= 5
+    assert policy.plan_batch(24, 4, 4) == BatchPlan(4, 24, 3, 2)
+    assert policy.plan_batch(24, 4, 3) == BatchPlan(3, 24, 4, 2)
+    assert policy.plan_batch(24, 4, 2) == BatchPlan(2, 24, 4, 3)
+    assert policy.plan_batch(24, 8, 1) == BatchPlan(1, 24, 8, 3)
 
 
-def test_plan_refuses_uneven_split():
-    assert policy.plan_batch(24, 4, 5) is None
-    assert policy.plan_batch(10, 4, 4) is None
+@pytest.mark.parametrize("gbs,micro", [(24, 4), (16, 4), (16, 1), (7, 3), (720, 8), (13, 5)])
+def test_every_world_size_covers_the_global_batch_exactly(gbs, micro):
+    """Any world size up to the batch: contiguous rank shares that tile the batch, the same
+    number of micro-batches on every rank (DeepSpeed's collectives pair up), none larger than
+    the micro-batch limit, and loss weights that make the update the global mean."""
+    for w in range(1, gbs + 1):
+        plan = policy.plan_batch(gbs, micro, w)
+        rows = [plan.rank_rows(r) for r in range(w)]
+        assert rows[0][0] == 0 and rows[-1][1] == gbs
+        assert all(rows[r][1] == rows[r + 1][0] for r in range(w - 1))
+        shares = [hi - lo for lo, hi in rows]
+        assert max(shares) - min(shares) <= 1 and min(shares) >= 1
+        for r in range(w):
+            sizes = plan.micro_sizes(r)
+            assert len(sizes) == plan.grad_accum_steps and sum(sizes) == shares[r]
+            assert max(sizes) <= plan.micro_batch_size <= micro
+        # DeepSpeed averages over world x accumulation, each micro-batch's loss is a mean over its
+        # n samples: every sample must weigh 1/gbs in the update, a padded slot nothing.
+        for r in range(w):
+            for n in plan.micro_sizes(r):
+                per_sample = plan.loss_scale(n) / (w * plan.grad_accum_steps * n) if n else plan.loss_scale(n)
+                assert per_sample == pytest.approx(1 / gbs if n else 0.0)
+        ds = plan.deepspeed_fields()
+        assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * w
 
 
-def test_batch_plans_names_impossible_sizes_and_a_fix():
+def test_uneven_split_16_over_3():
+    plan = policy.plan_batch(16, 4, 3)
+    assert [plan.rank_rows(r) for r in range(3)] == [(0, 6), (6, 11), (11, 16)]
+    assert [plan.micro_sizes(r) for r in range(3)] == [[3, 3], [3, 2], [3, 2]]
+    assert plan.loss_scale(3) == 1.125 and plan.loss_scale(2) == 0.75
+    # A share smaller than the accumulation steps: a padded micro-batch, weighted 0.
+    tight = policy.plan_batch(16, 1, 3)
+    assert tight.grad_accum_steps == 6 and tight.micro_sizes(1) == [1, 1, 1, 1, 1, 0]
+    assert tight.loss_scale(0) == 0
+    # Even splits keep every weight exactly 1: the same update as before uneven worlds existed.
+    even = policy.plan_batch(24, 4, 4)
+    assert {even.loss_scale(n) for r in range(4) for n in even.micro_sizes(r)} == {1.0}
+
+
+def test_plan_refuses_a_world_larger_than_the_batch():
+    assert policy.plan_batch(8, 4, 9) is None
     with pytest.raises(policy.PolicyError) as err:
-        policy.batch_plans(16, 4, 2, 4)
+        policy.batch_plans(8, 4, [1, 2, 16])
     msg = str(err.value)
-    assert "[3]" in msg and "12" in msg  # lcm(2,3,4) = 12 suggested
-    plans = policy.batch_plans(12, 4, 2, 4)
+    assert "global_batch_size 8" in msg and "16" in msg and "scaling.max_workers" in msg
+    plans = policy.batch_plans(16, 4, [2, 3, 4])
     assert sorted(plans) == [2, 3, 4]
 
 
+def test_allowed_world_sizes_by_whole_nodes():
+    assert policy.allowed_world_sizes(1, 4) == [1, 2, 3, 4]
+    assert policy.allowed_world_sizes(8, 64, 8) == [8, 16, 24, 32, 40, 48, 56, 64]
+    assert policy.allowed_world_sizes(1, 20, 8) == [8, 16]
+    assert policy.allowed_world_sizes(9, 15, 8) == []
+
+
 def test_choose_world_size():
-    assert policy.choose_world_size(10, 2, 4) == 4
-    assert policy.choose_world_size(3, 2, 4) == 3
-    assert policy.choose_world_size(1, 2, 4) is None
+    assert policy.choose_world_size(10, [2, 3, 4]) == 4
+    assert policy.choose_world_size(3, [2, 3, 4]) == 3
+    assert policy.choose_world_size(1, [2, 3, 4]) is None
+    assert policy.choose_world_size(63, policy.allowed_world_sizes(8, 64, 8)) == 56
 
 
 def test_decide_recovery_shrinks_to_survivors_or_waits():
-    assert policy.decide_recovery(3, 0, 2, 4) == policy.RecoveryDecision("resize", 3)
-    assert policy.decide_recovery(3, 1, 2, 4) == policy.RecoveryDecision("resize", 4)
-    assert policy.decide_recovery(1, 0, 2, 4) == policy.RecoveryDecision("wait")
-    assert policy.decide_recovery(1, 1, 2, 4) == policy.RecoveryDecision("resize", 2)
+    sizes = [2, 3, 4]
+    assert policy.decide_recovery(3, 0, sizes) == policy.RecoveryDecision("resize", 3)
+    assert policy.decide_recovery(3, 1, sizes) == policy.RecoveryDecision("resize", 4)
+    assert policy.decide_recovery(1, 0, sizes) == policy.RecoveryDecision("wait")
+    assert policy.decide_recovery(1, 1, sizes) == policy.RecoveryDecision("resize", 2)
+    # A lost GPU of an 8-GPU node: 63 survivors, whole nodes only: 56.
+    nodes = policy.allowed_world_sizes(8, 64, 8)
+    assert policy.decide_recovery(63, 0, nodes) == policy.RecoveryDecision("resize", 56)
+    assert policy.decide_recovery(7, 0, nodes) == policy.RecoveryDecision("wait")
 
 
 def test_should_grow():
-    assert policy.should_grow(3, 1, 4) == 4
-    assert policy.should_grow(2, 5, 4) == 4
-    assert policy.should_grow(4, 1, 4) is None
-    assert policy.should_grow(3, 0, 4) is None
+    sizes = [2, 3, 4]
+    assert policy.should_grow(3, 1, sizes) == 4
+    assert policy.should_grow(2, 5, sizes) == 4
+    assert policy.should_grow(4, 1, sizes) is None
+    assert policy.should_grow(3, 0, sizes) is None
+    nodes = policy.allowed_world_sizes(8, 64, 8)
+    assert policy.should_grow(56, 7, nodes) is None  # not a whole node yet
+    assert policy.should_grow(56, 8, nodes) == 64
+
+
+def test_ranks_to_idle_keeps_whole_nodes():
+    # 16 GPUs on nodes a and b; b lost one (rank 9): 15 survivors, allowed 8: b's 7 step out.
+    survivors = ["a"] * 8 + ["b"] * 7
+    assert policy.ranks_to_idle(survivors, 8) == list(range(8, 15))
+    # Interleaved ranks: the smaller node goes first, then the highest ranks.
+    assert policy.ranks_to_idle(["a", "b", "a", "b", "a"], 3) == [1, 3]
+    assert policy.ranks_to_idle(["a", "b", "c"], 3) == []
+    assert policy.ranks_to_idle(["a", "a", "b", "b"], 2) == [2, 3]
 
 
 @pytest.mark.parametrize("step,faults,expected", [

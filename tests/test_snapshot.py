@@ -63,7 +63,9 @@ def engine(request):
 
     from airay.models import tiny_gpt
     from airay.policy import BatchPlan
-    from airay.worker import _disable_cpu_shm_comm, engine_config, free_port
+    from airay.worker import free_port
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm as _disable_cpu_shm_comm
+    from airay.worker.engine import engine_config
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())})
@@ -71,8 +73,8 @@ def engine(request):
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     model = tiny_gpt.build(d_model=32, n_layers=2, n_heads=2, seq_len=8)
     cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": request.param}},
-                        BatchPlan(1, 2, 1), on_cpu=True, load_universal=False)
-    from airay.worker import _reset_zero3_globals
+                        BatchPlan(1, 2, 2, 1), on_cpu=True, load_universal=False)
+    from airay.worker.deepspeed_compat import reset_zero3_globals as _reset_zero3_globals
 
     _reset_zero3_globals()
     eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

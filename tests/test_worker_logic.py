@@ -1,9 +1,17 @@
 """The worker's pure decisions: which errors are the user's, device choice, engine config."""
 
+import pytest
+import torch
 import torch.distributed as tdist
 
 from airay.policy import BatchPlan
-from airay.worker import _is_comm_error, device_for, engine_config
+from airay.worker.device import DeviceError, assign_device, cuda_ordinal
+from airay.worker.dist import failure_kind
+from airay.worker.engine import engine_config
+
+
+def _is_comm_error(exc):
+    return failure_kind(exc) == "comm"
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:387: Connection reset by peer")
@@ -21,20 +29,63 @@ def test_user_errors_are_not_mistaken_for_collective_failures():
     assert not _is_comm_error(ValueError("gloo"))
 
 
-def test_device_for():
-    assert device_for(["3"], cuda_available=True) == ("cuda:3", "nccl")
-    assert device_for(["3"], cuda_available=False) == ("cpu", "gloo")
-    assert device_for([], cuda_available=True) == ("cpu", "gloo")
+def test_gpu_failures_are_infrastructure_not_user_errors():
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 3; 79.3 GiB total)")
+    assert failure_kind(oom) == "infra"
+    assert failure_kind(torch.cuda.OutOfMemoryError("CUDA out of memory")) == "infra"
+    assert failure_kind(MemoryError()) == "infra"
+    assert failure_kind(tdist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited")) \
+        == "comm"
+    assert failure_kind(RuntimeError("CUDA error: device-side assert triggered")) == "user"
+    # The driver's verdict on a rank whose step raised CUDA OOM: replace the worker, as a crash.
+    from airay.health import RankOutcome, classify_round
+
+    outcome = RankOutcome(3, "errored", error=str(oom), cause=type(oom).__name__)
+    assert outcome.infra and outcome.fault == "oom"
+    assert classify_round([RankOutcome(0, "ok"), outcome]).kind == "lost"
+
+
+@pytest.mark.parametrize("gpu_id,visible,ordinal", [
+    ("3", "3", 0),            # Ray masked CUDA_VISIBLE_DEVICES to the worker's own GPU
+    ("5", None, 5),           # not masked (airay's default), raylet sees every GPU
+    ("5", "0,1,2,3,4,5,6,7", 5),
+    ("6", "4,5,6,7", 2),      # raylet under a subset (SLURM, Kubernetes): position, not the id
+    ("GPU-b2c", "GPU-a1f,GPU-b2c", 1),  # UUIDs
+])
+def test_cuda_ordinal_is_the_position_in_the_visible_devices(gpu_id, visible, ordinal):
+    assert cuda_ordinal(gpu_id, visible) == ordinal
+    a = assign_device([gpu_id], visible, cuda_available=True)
+    assert (a.local_rank, a.device, a.backend, a.cuda_device) == (ordinal, f"cuda:{ordinal}", "nccl", f"cuda:{ordinal}")
+
+
+def test_ranks_of_an_8_gpu_node_get_8_devices():
+    for visible in (None, "0,1,2,3,4,5,6,7"):
+        devices = [assign_device([str(g)], visible, True).device for g in range(8)]
+        assert devices == [f"cuda:{g}" for g in range(8)]
+    subset = [assign_device([g], "8,9,10,11", True).device for g in ("8", "9", "10", "11")]
+    assert subset == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+
+
+def test_device_without_cuda_or_gpu():
+    logical = assign_device(["1"], None, cuda_available=False)  # logical GPUs on a CPU machine
+    assert (logical.device, logical.backend, logical.local_rank, logical.cuda_device) == ("cpu", "gloo", 1, "cuda:1")
+    none = assign_device([], "0,1", cuda_available=True)
+    assert (none.device, none.backend, none.local_rank, none.cuda_device) == ("cpu", "gloo", 0, None)
+
+
+def test_a_gpu_the_process_cannot_see_is_a_clear_error():
+    with pytest.raises(DeviceError, match="Ray assigned GPU '3' but this process sees CUDA_VISIBLE_DEVICES='0,1'"):
+        cuda_ordinal("3", "0,1")
 
 
 def test_engine_config_sets_batch_fields_without_touching_the_spec():
     base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
-    cfg = engine_config(base, BatchPlan(3, 4, 2), on_cpu=True, load_universal=True)
+    cfg = engine_config(base, BatchPlan(3, 24, 4, 2), on_cpu=True, load_universal=True)
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) \
         == (24, 4, 2)
     assert cfg["optimizer"]["params"]["torch_adam"] is True and cfg["checkpoint"]["load_universal"] is True
     assert "torch_adam" not in base["optimizer"]["params"] and "train_batch_size" not in base
-    assert "torch_adam" not in engine_config(base, BatchPlan(1, 1, 1), on_cpu=False,
+    assert "torch_adam" not in engine_config(base, BatchPlan(1, 1, 1, 1), on_cpu=False,
                                              load_universal=False)["optimizer"]["params"]
 
 

@@ -7,11 +7,7 @@ never re-imports torch or DeepSpeed: that is what makes warm recovery fast.
 
 from __future__ import annotations
 
-import copy
 import os
-import re
-import socket
-import stat
 import time
 import traceback
 from datetime import timedelta
@@ -21,86 +17,19 @@ import ray
 
 from airay import chaos, commtime
 from airay.config import JobConfig, resolve_callable
-from airay.data import DataFetchError, StreamedSource, SyntheticSource
+from airay.data.source import StreamedSource, SyntheticSource
 from airay.policy import BatchPlan
+from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_globals
+from airay.worker.device import assign_device
+from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, free_port, shutdown_sockets, \
+    tcp_socket_fds
+from airay.worker.engine import backward_micro_batch, build_engine
 
 
 class UserCodeError(RuntimeError):
     """An exception raised by the user's model, loss or data code: retrying will not fix it."""
 
 
-def free_port() -> int:
-    # Bind to port 0 and release it: the rendezvous port rank 0 will listen on. The tiny race
-    # (another process taking it) fails the join, which is retried like any other fault.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def device_for(gpu_ids: list, cuda_available: bool) -> tuple[str, str]:
-    """(torch device, process-group backend) for a worker with the given Ray GPU ids.
-
-    Workers see every GPU of their node (airay disables Ray's CUDA_VISIBLE_DEVICES masking), so
-    the device index is the physical id Ray assigned, and co-located ranks can use NVLink.
-    """
-    if gpu_ids and cuda_available:
-        return f"cuda:{int(gpu_ids[0])}", "nccl"
-    return "cpu", "gloo"
-
-
-def engine_config(base: dict[str, Any], plan: BatchPlan, on_cpu: bool, load_universal: bool) -> dict[str, Any]:
-    cfg = copy.deepcopy(base)
-    cfg.update(plan.deepspeed_fields())
-    opt = cfg.get("optimizer")
-    if on_cpu and opt and opt.get("type", "").lower() in ("adam", "adamw"):
-        # FusedAdam needs CUDA; torch's Adam is the same algorithm and runs anywhere.
-        opt.setdefault("params", {}).setdefault("torch_adam", True)
-    cfg.setdefault("steps_per_print", 10**9)
-    cfg.setdefault("wall_clock_breakdown", False)
-    cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": load_universal}
-    return cfg
-
-
-def tcp_socket_fds() -> dict[int, int]:
-    """{fd: inode} of this process's connected TCP sockets (listeners are left out: gloo's
-    listener thread aborts the process if its socket is shut down under it)."""
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            continue
-        if not stat.S_ISSOCK(st.st_mode):
-            continue
-        try:
-            with socket.socket(fileno=os.dup(fd)) as s:
-                if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                    s.getpeername()  # raises for a listening or unconnected socket
-                    out[fd] = st.st_ino
-        except OSError:
-            continue
-    return out
-
-
-def shutdown_sockets(fds: dict[int, int]) -> int:
-    """shutdown() the given sockets (if still the same inode); returns how many.
-
-    shutdown acts on the socket, not the descriptor, so doing it through a dup wakes any thread
-    blocked on it, and the peer sees EOF at once, while the owner (gloo) still owns and later
-    closes the original descriptor: no descriptor is closed under it or reused.
-    """
-    n = 0
-    for fd, inode in fds.items():
-        try:
-            if os.fstat(fd).st_ino != inode:
-                continue
-            with socket.socket(fileno=os.dup(fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)
-                n += 1
-        except OSError:
-            continue
-    return n
 
 
 class TrainWorker:
@@ -128,7 +57,12 @@ class TrainWorker:
         self.data = SyntheticSource(resolve_callable(data.sample_fn), data.seed, data.kwargs) \
             if data.source == "synthetic" else StreamedSource(self.config.data_fetch_timeout_s)
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        self.device, self.backend = device_for(self.gpu_ids, torch.cuda.is_available())
+        # Which GPU this rank drives (airay.worker.device), fixed for the process's life: CUDA
+        # sees the same devices across world changes.
+        self.assigned = assign_device(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available())
+        self.device, self.backend = self.assigned.device, self.assigned.backend
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(self.device)  # before any CUDA work: the context lives on this GPU
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.engine = None
@@ -138,6 +72,8 @@ class TrainWorker:
         # Where the step loop is (step, micro-batch, phase); read by `heartbeat` from the control
         # thread, so it answers while the training thread is stuck in a collective or user code.
         self._progress: dict[str, Any] = {"step": -1, "micro": -1, "phase": "start"}
+        for key, value in NCCL_ENV.items():  # read when a process group is made (airay.worker.dist)
+            os.environ.setdefault(key, value)
         torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
         commtime.install()  # before DeepSpeed binds the collectives (see airay.commtime)
         self._preempted_at: float | None = None
@@ -164,7 +100,9 @@ class TrainWorker:
 
     def info(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "ip": self.ip, "pid": os.getpid(), "device": self.device,
-                "gpu_ids": self.gpu_ids, "backend": self.backend, "sigterm_handled": self.preemption_handled}
+                "gpu_ids": self.gpu_ids, "backend": self.backend, "local_rank": self.assigned.local_rank,
+                "cuda_visible_devices": self.assigned.visible_devices, "cuda_device": self.assigned.cuda_device,
+                "sigterm_handled": self.preemption_handled}
 
     def free_port(self) -> int:
         return free_port()
@@ -176,7 +114,7 @@ class TrainWorker:
         paying it here, while the worker stands by, keeps it off the critical path of a resize.
         """
         t0 = time.perf_counter()
-        plan = BatchPlan(1, self.config.micro_batch_size, 1)
+        plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
         self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__, load_universal=False)
         self.leave()
         return {**self.info(), "warmup_s": time.perf_counter() - t0}
@@ -193,8 +131,9 @@ class TrainWorker:
         self.leave()
         sockets_before = tcp_socket_fds()
         if self.backend == "gloo":
-            _disable_cpu_shm_comm()
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+            disable_cpu_shm_comm()
+        # LOCAL_RANK is the CUDA ordinal of this rank's GPU: DeepSpeed binds its device and NCCL's to it.
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(self.assigned.local_rank),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False,
                                    init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
@@ -202,15 +141,9 @@ class TrainWorker:
                                    timeout=timedelta(seconds=self.config.timeouts.collective_timeout_s))
         t_pg = time.perf_counter()
         self.rank, self.plan = rank, BatchPlan(**plan)
-        _reset_zero3_globals()
+        reset_zero3_globals()
         model = self._user(self.model_factory, seed=self.config.seed, **self.config.model.kwargs)
-        # DeepSpeed's universal-checkpoint converter asks for this marker on the module.
-        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
-            UNIVERSAL_CHECKPOINT_VERSION_VALUE
-        setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
-        cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", load_universal)
-        self.engine, *_ = deepspeed.initialize(model=model.to(self.device), model_parameters=model.parameters(),
-                                               config=cfg, dist_init_required=False)
+        self.engine = build_engine(model, self.config.deepspeed, self.plan, self.device, load_universal)
         from airay import snapshot
 
         snapshot.install(self.engine, self._ckpt_writer)
@@ -218,7 +151,10 @@ class TrainWorker:
         # The TCP sockets that appeared while joining are this world's (store and gloo pairs).
         self._world_sockets = {fd: ino for fd, ino in tcp_socket_fds().items() if sockets_before.get(fd) != ino}
         t1 = time.perf_counter()
-        return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0}
+        # What this rank handed torch and DeepSpeed, read back from where they read it.
+        handed = {"local_rank": int(os.environ["LOCAL_RANK"]), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "cuda_device": self.assigned.cuda_device, "engine_device": str(self.engine.device)}
+        return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0, **handed}
 
     @ray.method(concurrency_group="control")
     def abort_world(self) -> int:
@@ -229,12 +165,7 @@ class TrainWorker:
         NCCL communicators have a real abort.
         """
         if self.backend == "nccl":
-            from torch.distributed import distributed_c10d as c10d
-
-            try:
-                c10d._abort_process_group()
-            except Exception:
-                pass
+            abort_nccl_groups()
             return 0
         return shutdown_sockets(self._world_sockets)
 
@@ -362,10 +293,11 @@ class TrainWorker:
         self._at(step, -1, "data")
         batches = self._user(self.data.micro_batches, step, self.rank, self.plan)
         data_wait = time.perf_counter() - t0
+        sizes = self.plan.micro_sizes(self.rank)  # samples per micro-batch; 0: padded (weight 0)
         comm0 = commtime.seconds()
         local_s = 0.0  # data, chaos and forward: this rank's own work, before any collective
-        loss_sum = 0.0
-        for micro, batch in enumerate(batches):
+        loss_sum = torch.zeros((), device=self.device)  # summed on the device: no host sync per micro-batch
+        for micro, (batch, samples) in enumerate(zip(batches, sizes)):
             t_fwd = time.perf_counter()
             self._at(step, micro, "forward")
             if fault is not None and micro == 0:
@@ -373,23 +305,23 @@ class TrainWorker:
             loss = self._user(self.loss_fn, self.engine, {k: v.to(self.device) for k, v in batch.items()})
             local_s += time.perf_counter() - t_fwd
             self._at(step, micro, "backward")
-            self.engine.backward(loss)
-            self._at(step, micro, "optimizer")
-            self.engine.step()
-            loss_sum += float(loss.detach()) * self.plan.micro_batch_size
+            backward_micro_batch(self.engine, loss, samples, self.plan)
+            if samples:
+                loss_sum += loss.detach().float() * samples
         if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         self._at(step, len(batches), "done")
+        real = [b for b, n in zip(batches, sizes) if n]
         step_time = time.perf_counter() - t0
         comm = commtime.seconds() - comm0
         # Time the optimizer step waited for the previous save's host copies (airay.snapshot):
         # part of that checkpoint's blocking, not of this step's work.
-        out = {"step": step, "loss_sum": loss_sum, "step_time_s": step_time, "data_wait_s": data_wait,
+        out = {"step": step, "loss_sum": float(loss_sum), "step_time_s": step_time, "data_wait_s": data_wait,
                "checkpoint_wait_s": self._ckpt_writer.take_copy_wait(),
                "local_s": data_wait + local_s, "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
-               "tokens": sum(token_count(b) for b in batches)}
+               "tokens": sum(token_count(b) for b in real)}
         if self.config.data.record_sample_ids:
-            out["sample_ids"] = [i for b in batches for i in b["sample_id"].tolist()]
+            out["sample_ids"] = [i for b in real for i in b["sample_id"].tolist()]
         return out
 
     def _user(self, fn, *args, **kwargs):
@@ -397,9 +329,10 @@ class TrainWorker:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            # Running out of memory is the machine's limit, not a bug in the code that hit it; a
-            # block that cannot be fetched is the data path's failure, not the user's.
-            if _is_comm_error(exc) or isinstance(exc, (MemoryError, DataFetchError)):
+            # Running out of host or GPU memory is the machine's limit, not a bug in the code that
+            # hit it; a failed collective is a peer's; a block that cannot be fetched is the data
+            # path's failure (airay.worker.dist.failure_kind).
+            if failure_kind(exc) != "user":
                 raise
             raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
 
@@ -424,45 +357,3 @@ def token_count(batch: dict[str, Any]) -> int:
         if ids is not None and getattr(ids, "dim", lambda: 0)() >= 2 and not ids.is_floating_point():
             return int(ids.numel())
     return 0
-
-
-def _reset_zero3_globals() -> None:
-    # ZeRO-3 numbers parameters and modules from process-wide counters (deepspeed 0.19:
-    # zero.Init.param_id, and the mutable default `count=[0]` of
-    # DeepSpeedZeRoOffload._register_deepspeed_module) and checks that all ranks agree on the
-    # ids of its prefetch trace. A warm worker building its second engine would count on from
-    # where its first stopped while a fresh worker starts at 0, so every build starts afresh.
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-    from deepspeed.runtime.zero.partition_parameters import Init
-
-    Init.param_id = 0
-    Init.num_persisted_parameters = 0
-    Init.num_persisted_elements = 0
-    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
-    module_count[0] = 0
-
-
-def _disable_cpu_shm_comm() -> None:
-    # DeepSpeed (0.19) JIT-compiles a shared-memory all-reduce for CPU worlds on first init
-    # (~30 s of C++ build per fresh machine) and keys its buffers by rank, which collides when
-    # ranks on one host are re-numbered by a resize. The training path does not use it (ZeRO's
-    # collectives go through torch.distributed), so mark the op unavailable.
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
-
-
-_COMM_ERROR_TEXT = re.compile(r"\bgloo\b|\bnccl\b|connection (reset|closed|refused)|timed out", re.IGNORECASE)
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    """A peer's death surfaces inside forward/backward/step as a collective failure, not a user
-    bug. torch raises DistError for NCCL and the store, but gloo's transport errors are plain
-    RuntimeErrors naming gloo's source, so those are told by their text (only RuntimeErrors:
-    a TypeError from a model factory is the user's, whatever its message says)."""
-    import torch.distributed as tdist
-
-    if isinstance(exc, tdist.DistError):
-        return True
-    return type(exc) is RuntimeError and bool(_COMM_ERROR_TEXT.search(str(exc)))

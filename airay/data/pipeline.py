@@ -11,117 +11,49 @@ a resize or a driver restart, the pipeline restarts at the checkpoint's step, an
 the same rows as before because they are a function of N alone.
 
 Ray Data runs with num_cpus=0 tasks and a CPU limit of 0: training bundles hold every CPU of
-the cluster, and a pipeline waiting for one would wait forever.
+the cluster, and a pipeline waiting for one would wait forever. The reader actors run on the
+nodes that train, not on the head: the head runs the driver and does no heavy work.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import warnings
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from airay.data.layout import EpochLayout
+from airay.data.parquet import DataError, ParquetDataset
+from airay.data.readers import WindowAssembler, WindowReader
 
-from airay.config import JobConfig, resolve_callable
-from airay.parquet import DataError, scan
-from airay.reader import Stream, WindowAssembler, WindowReader, finish_batch, make_batch
-from airay.sampling import EpochLayout, check_batch_schema, data_stalled
-
-SCHEMA_PROBE_ROWS = 4
-PIPELINE_RETRIES = 2  # pipeline failures per run tolerated before the run fails
+PIPELINE_RETRIES = 2  # consecutive pipeline failures (without a step produced) tolerated
 # Pieces of one global step: (ObjectRef of a Ray Data block, first row, end row).
 Piece = tuple[Any, int, int]
 
 
-def model_input_schema(config: JobConfig) -> dict[str, tuple[str, tuple]] | None:
-    """What the model declares it consumes: `input_schema(**model.kwargs)` in its factory's
-    module, e.g. {'tokens': ('int', (seq_len + 1,))}. None when the module declares nothing."""
-    factory = resolve_callable(config.model.factory)
-    declare = getattr(sys.modules.get(factory.__module__), "input_schema", None)
-    return declare(**config.model.kwargs) if callable(declare) else None
+@dataclass(frozen=True)
+class Stream:
+    """What the pipeline streams (checked by airay.data.prepare; pickled into the readers)."""
+
+    dataset: ParquetDataset | None  # None: a ray.data.Dataset the feeder iterates itself
+    layout: EpochLayout
+    preprocess: str | None
+    preprocess_kwargs: dict[str, Any]
+    fingerprint: str
+    cache_bytes: int = 0  # decoded row groups each reader keeps
+
+    def position(self, step: int) -> dict[str, Any]:
+        epoch, in_epoch = self.layout.position(step)
+        return {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "seed": self.layout.seed,
+                "rows": self.layout.rows, "global_batch_size": self.layout.global_batch_size,
+                "fingerprint": self.fingerprint}
 
 
-def prepare(config: JobConfig) -> tuple[JobConfig, Stream | None]:
-    """Check a parquet dataset and resolve max_steps from it, before Ray is touched.
-
-    Errors name the path, column or field: a missing path, an unreadable or non-parquet file, a
-    missing column, an empty dataset, preprocessing that fails, and a preprocessed batch that
-    does not fit the model's declared input schema (checked on the first rows).
-    """
-    spec = config.data
-    if spec.source != "parquet":
-        return config, None
-    dataset = scan(spec.paths, spec.columns)
-    layout = EpochLayout(dataset.rows, config.global_batch_size, spec.seed, spec.chunk_rows, spec.window_steps,
-                         spec.shuffle)
-    if layout.steps_per_epoch == 0:
-        raise DataError(f"data.paths hold {dataset.rows} rows, fewer than global_batch_size "
-                        f"{config.global_batch_size}: not one step per epoch; add data or lower global_batch_size")
-    config = resolve_max_steps(config, layout.steps_per_epoch)
-    stream = Stream(dataset, layout, spec.preprocess, spec.preprocess_kwargs, dataset.fingerprint,
-                    spec.reader_cache_mb * 1024**2)
-    probe = np.arange(min(SCHEMA_PROBE_ROWS, dataset.rows))
-    check_probe(config, lambda: make_batch(dataset, probe, spec.preprocess, spec.preprocess_kwargs),
-                f"the first rows of '{dataset.files[0].path}'")
-    return config, stream
-
-
-def prepare_dataset(config: JobConfig, ds) -> tuple[JobConfig, Stream]:
-    """The same checks for a ray.data.Dataset passed to airay.fit (Ray is up: counting it runs
-    its pipeline on the cluster, the rows stay there). Its row order must be deterministic."""
-    spec = config.data
-    if spec.columns:
-        ds = ds.select_columns(spec.columns)
-    rows = ds.count()
-    if rows == 0:
-        raise DataError("the dataset passed to airay.fit(dataset=...) holds no rows")
-    # No random access: one chunk (rows keep the dataset's order), rows shuffled within windows.
-    layout = EpochLayout(rows, config.global_batch_size, spec.seed, rows, spec.window_steps, spec.shuffle)
-    if layout.steps_per_epoch == 0:
-        raise DataError(f"the dataset holds {rows} rows, fewer than global_batch_size {config.global_batch_size}")
-    config = resolve_max_steps(config, layout.steps_per_epoch)
-    import hashlib
-
-    fingerprint = hashlib.sha256(f"{rows}\0{ds.schema()}".encode()).hexdigest()[:16]
-    stream = Stream(None, layout, spec.preprocess, spec.preprocess_kwargs, fingerprint)
-    probe = ds.take_batch(min(SCHEMA_PROBE_ROWS, rows), batch_format="numpy")
-    check_probe(config, lambda: finish_batch(dict(probe), np.arange(len(next(iter(probe.values())))),
-                                             spec.preprocess, spec.preprocess_kwargs), "the dataset's first rows")
-    return config, stream
-
-
-def check_probe(config: JobConfig, build, where: str) -> None:
-    spec = config.data
-    try:
-        batch = build()
-    except DataError:
-        raise
-    except Exception as exc:
-        raise DataError(f"data.preprocess '{spec.preprocess}' failed on {where}: {type(exc).__name__}: {exc}") from exc
-    expected = model_input_schema(config)
-    if expected is not None:
-        problems = check_batch_schema(batch, expected)
-        if problems:
-            raise DataError(f"the data does not fit model '{config.model.factory}' (kwargs {config.model.kwargs}): "
-                            + "; ".join(problems) + ". Fix data.columns / data.preprocess or the model kwargs")
-
-
-def resolve_max_steps(config: JobConfig, steps_per_epoch: int) -> JobConfig:
-    """max_steps from data.epochs (or checked against it); re-validated so chaos steps are too."""
-    epochs = config.data.epochs
-    max_steps = config.max_steps
-    if epochs is not None:
-        if max_steps is None:
-            max_steps = epochs * steps_per_epoch
-        elif max_steps > epochs * steps_per_epoch:
-            raise DataError(f"max_steps {max_steps} exceeds data.epochs {epochs} x {steps_per_epoch} steps per "
-                            "epoch; lower max_steps or raise data.epochs (or leave max_steps unset)")
-    if max_steps == config.max_steps:
-        return config
-    return JobConfig.from_dict({**config.model_dump(mode="json"), "max_steps": max_steps})
+def data_stalled(data_wait_s: float, step_time_s: float, share: float = 0.10) -> bool:
+    """A step waited for data longer than `share` of its time: the input pipeline is too slow."""
+    return step_time_s > 0 and data_wait_s > share * step_time_s
 
 
 class Feeder:
@@ -147,8 +79,9 @@ class Feeder:
         """Pieces of steps [start, end) (waits for them) plus up to `extra` later steps that are
         ready now. Steps before `start` are released: they are committed or will be replayed.
         A pipeline that fails, or does not produce the steps within `timeout_s`, is restarted
-        from `start` up to PIPELINE_RETRIES times in the run; then the error (or TimeoutError)
-        is raised: the driver never waits forever for a stalled pipeline."""
+        from `start`, up to PIPELINE_RETRIES times in a row (a reader lost with its node is one);
+        then the error (or TimeoutError) is raised: the driver never waits forever for a stalled
+        pipeline."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             if self._thread is None or start < self._low:
@@ -177,6 +110,7 @@ class Feeder:
                 if s not in self._ready:
                     break
                 out[s] = self._ready[s]
+            self._failures = 0  # the pipeline delivers: only failures in a row count
             return out
 
     def seek(self, step: int) -> None:
@@ -276,11 +210,11 @@ class Feeder:
         """The same for a user's ray.data.Dataset: read in order once per epoch (rows before
         the start window are skipped unread), each window assembled by the assembler actor."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from airay.placement import off_driver_node
 
         if self._assembler is None:
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            self._assembler = ray.remote(WindowAssembler).options(num_cpus=0, scheduling_strategy=here).remote()
+            self._assembler = ray.remote(WindowAssembler).options(num_cpus=0, **off_driver_node()).remote()
         layout, b = self.stream.layout, self.stream.layout.global_batch_size
         epoch, window = layout.window_of(start)
         while layout.window_first_step(epoch, window) < self.max_steps:
@@ -329,7 +263,8 @@ class Feeder:
         import ray
         import ray.data
         from ray.data import ExecutionResources
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from airay.placement import off_driver_node
 
         layout = self.stream.layout
         epoch, window = layout.window_of(start)
@@ -349,15 +284,16 @@ class Feeder:
             if hasattr(opts.resource_limits, "copy") else ExecutionResources(cpu=0, gpu=0)
         # Long-lived reader actors, not tasks: every CPU is held by training bundles, so a
         # num_cpus=0 task would get a fresh worker process (and pay its imports) each time. They
-        # live on the driver's node, which outlives the workers' nodes; restarting a dead one
-        # is left to the feeder (which restarts the pipeline), not to Ray.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        # decode and preprocess, so they run spread over the nodes that train, never on the
+        # driver's (the head does no heavy work; on a one-node cluster there is no other). A
+        # reader lost with its node fails the pipeline, which the feeder restarts from the step
+        # it needs (PIPELINE_RETRIES in a row), not Ray.
         with warnings.catch_warnings():  # ray 2.60 deprecates these "ray_remote_args" without a successor yet
             warnings.simplefilter("ignore")
             ds = ds.map_batches(WindowReader, fn_constructor_kwargs={"stream": self.stream}, batch_size=1,
                                 batch_format="numpy", zero_copy_batch=True,
                                 compute=ray.data.ActorPoolStrategy(size=self.readers),
-                                num_cpus=0, scheduling_strategy=here, max_restarts=0)
+                                num_cpus=0, max_restarts=0, **off_driver_node())
         return ds
 
 

@@ -1,36 +1,16 @@
-"""What the data pipeline's readers run: build one window of a streamed dataset.
+"""What the data pipeline's reader actors run: build one window of a streamed dataset.
 
 Imported by Ray Data's reader actors, so it stays light: no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from airay.config import resolve_callable
-from airay.parquet import DataError, ParquetDataset, RowGroupCache, to_numpy
-from airay.sampling import EpochLayout
-
-
-@dataclass(frozen=True)
-class Stream:
-    """Everything a map task needs to build any window (pickled into the tasks)."""
-
-    dataset: ParquetDataset | None  # None: a ray.data.Dataset the feeder iterates itself
-    layout: EpochLayout
-    preprocess: str | None
-    preprocess_kwargs: dict[str, Any]
-    fingerprint: str
-    cache_bytes: int = 0  # decoded row groups each reader keeps
-
-    def position(self, step: int) -> dict[str, Any]:
-        epoch, in_epoch = self.layout.position(step)
-        return {"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "seed": self.layout.seed,
-                "rows": self.layout.rows, "global_batch_size": self.layout.global_batch_size,
-                "fingerprint": self.fingerprint}
+from airay.data.parquet import DataError, ParquetDataset, RowGroupCache, to_numpy
 
 
 def make_batch(dataset: ParquetDataset, ids: np.ndarray, preprocess: str | None,
@@ -66,7 +46,7 @@ def finish_batch(batch: dict[str, np.ndarray], ids: np.ndarray, preprocess: str 
 class WindowReader:
     """Ray Data map UDF: a window descriptor {epoch, window} -> that window's rows, in order."""
 
-    def __init__(self, stream: Stream):
+    def __init__(self, stream):  # an airay.data.pipeline.Stream
         self.stream = stream
         self.groups = RowGroupCache(stream.cache_bytes)
 
@@ -93,7 +73,7 @@ class WindowAssembler:
     no random access, so the feeder reads it in order and this assembles each window from the
     block slices that hold its rows, shuffled and preprocessed like a parquet window."""
 
-    def window(self, stream: Stream, epoch: int, window: int, first_row: int, spans: list[tuple[int, int]],
+    def window(self, stream, epoch: int, window: int, first_row: int, spans: list[tuple[int, int]],
                *blocks) -> Any:
         import pyarrow as pa
         from ray.data.block import BlockAccessor

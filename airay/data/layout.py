@@ -1,7 +1,11 @@
-"""Which rows of a streamed dataset each global step trains on, and checks on what it yields.
+"""Which samples each global step trains on, and which of them each rank and micro-batch takes.
 
-Pure (numpy only, no torch): the data pipeline's reader tasks import it, and every import there
+Pure (numpy only, no torch): the data pipeline's reader actors import it, and every import there
 costs start-up time of the pipeline.
+
+A step's samples depend on the step alone; their split over ranks and micro-batches is the
+world's BatchPlan (airay.policy): contiguous rank shares, consecutive micro-batches inside them.
+Synthetic data numbers the samples of step N [N*B, (N+1)*B) for global batch B.
 
 Sample ids of a streamed dataset are global row indices in a fixed file order. Each epoch is
 a pure function (seed, epoch) -> order of rows, built in two levels so it can be read in
@@ -18,6 +22,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from airay.policy import BatchPlan
+
+
+def step_sample_ids(step: int, global_batch_size: int) -> range:
+    """The synthetic source's sample ids of a step."""
+    return range(step * global_batch_size, (step + 1) * global_batch_size)
+
+
+def micro_batch_rows(plan: BatchPlan, rank: int) -> list[range]:
+    """Positions (within the step's global batch) of each of `rank`'s micro-batches, in order.
+    A padded micro-batch (plan.micro_sizes 0) holds the rank's first sample once: it runs like
+    the others and its loss weight is 0 (BatchPlan.loss_scale(0))."""
+    lo, _ = plan.rank_rows(rank)
+    out, pos = [], lo
+    for n in plan.micro_sizes(rank):
+        out.append(range(pos, pos + n) if n else range(lo, lo + 1))
+        pos += n
+    return out
 
 
 @dataclass(frozen=True)
@@ -84,36 +105,3 @@ class EpochLayout:
         k = s - w * self.window_steps
         b = self.global_batch_size
         return self.window_rows(epoch, w)[k * b:(k + 1) * b]
-
-
-def rank_rows(plan: BatchPlan, rank: int) -> tuple[int, int]:
-    """[start, stop) of `rank`'s rows within a global step: the same contiguous split as the
-    synthetic source's, micro-batches following each other inside it."""
-    return rank * plan.per_worker, (rank + 1) * plan.per_worker
-
-
-def data_stalled(data_wait_s: float, step_time_s: float, share: float = 0.10) -> bool:
-    """A step waited for data longer than `share` of its time: the input pipeline is too slow."""
-    return step_time_s > 0 and data_wait_s > share * step_time_s
-
-
-def check_batch_schema(batch: dict[str, np.ndarray], expected: dict[str, tuple[str, tuple]],
-                       ) -> list[str]:
-    """What is wrong with a preprocessed batch for a model declaring `expected`:
-    {key: (dtype kind 'int' | 'float' | 'uint8' ..., per-row shape with None for any size)}.
-    Returns one message per problem; empty when it fits."""
-    problems = []
-    for key, (kind, shape) in expected.items():
-        if key not in batch:
-            problems.append(f"the model needs '{key}' but the preprocessed batch has only {sorted(batch)}")
-            continue
-        arr = np.asarray(batch[key])
-        ok_kind = {"int": np.issubdtype(arr.dtype, np.integer),
-                   "float": np.issubdtype(arr.dtype, np.floating)}.get(kind, arr.dtype == np.dtype(kind))
-        if not ok_kind:
-            problems.append(f"'{key}' has dtype {arr.dtype}, the model needs {kind}")
-        row_shape = arr.shape[1:]
-        if len(row_shape) != len(shape) or any(s is not None and s != r for s, r in zip(shape, row_shape)):
-            want = tuple("any" if s is None else s for s in shape)
-            problems.append(f"'{key}' rows have shape {row_shape}, the model needs {want}")
-    return problems

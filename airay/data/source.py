@@ -1,8 +1,8 @@
-"""Which samples each rank trains on at each step, and building their micro-batches.
+"""The worker's side of the data: its rank's micro-batches of each step it trains.
 
-The sample ids of global step N are fixed by N and the global batch alone, then split
-contiguously by rank and micro-batch. A step replayed after a resize therefore trains on the
-same set of samples, whatever the world size.
+SyntheticSource builds samples from the spec's per-sample function; StreamedSource fetches the
+rank's rows of a streamed dataset's blocks (which the driver's pipeline produced) in a
+background thread. Either way the rank and micro-batch split is airay.data.layout's.
 """
 
 from __future__ import annotations
@@ -13,19 +13,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from airay.data.layout import micro_batch_rows
 from airay.policy import BatchPlan
-from airay.sampling import rank_rows
-
-
-def step_sample_ids(step: int, global_batch_size: int) -> range:
-    return range(step * global_batch_size, (step + 1) * global_batch_size)
-
-
-def rank_micro_batch_ids(step: int, rank: int, plan: BatchPlan) -> list[range]:
-    """The sample ids of each of `rank`'s micro-batches at `step`, in order."""
-    start = step * plan.global_batch_size + rank * plan.per_worker
-    m = plan.micro_batch_size
-    return [range(start + i * m, start + (i + 1) * m) for i in range(plan.grad_accum_steps)]
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -39,8 +28,9 @@ class SyntheticSource:
         self.fn, self.seed, self.kwargs = fn, seed, kwargs
 
     def micro_batches(self, step: int, rank: int, plan: BatchPlan) -> list[dict[str, torch.Tensor]]:
-        return [collate([self.fn(i, self.seed, **self.kwargs) for i in ids])
-                for ids in rank_micro_batch_ids(step, rank, plan)]
+        first = step * plan.global_batch_size
+        return [collate([self.fn(first + i, self.seed, **self.kwargs) for i in rows])
+                for rows in micro_batch_rows(plan, rank)]
 
 
 class DataFetchError(RuntimeError):
@@ -157,7 +147,7 @@ def fetch_rank_batches(pieces: list, rank: int, plan: BatchPlan,
 
     blocks = blocks or BlockCache()
     deadline = time.monotonic() + blocks.timeout_s if blocks.timeout_s is not None else None
-    want_lo, want_hi = rank_rows(plan, rank)
+    want_lo, want_hi = plan.rank_rows(rank)
     parts, pos = [], 0
     for ref, lo, hi in pieces:
         a, b = max(want_lo, pos), min(want_hi, pos + hi - lo)
@@ -168,5 +158,5 @@ def fetch_rank_batches(pieces: list, rank: int, plan: BatchPlan,
     columns = BlockAccessor.for_block(table).to_batch_format("numpy")
     # Copy: arrays read from the object store are read-only, and the step may run in-place ops.
     full = {k: torch.from_numpy(np.array(v)) for k, v in columns.items()}
-    m = plan.micro_batch_size
-    return [{k: v[i * m:(i + 1) * m] for k, v in full.items()} for i in range(plan.grad_accum_steps)]
+    return [{k: v[rows.start - want_lo:rows.stop - want_lo] for k, v in full.items()}
+            for rows in micro_batch_rows(plan, rank)]

@@ -1,0 +1,41 @@
+"""Private DeepSpeed details airay depends on, each with the version it was written for (0.19).
+
+Pinned in pyproject.toml (deepspeed>=0.19,<0.20): a DeepSpeed upgrade re-checks this file.
+"""
+
+from __future__ import annotations
+
+
+def reset_zero3_globals() -> None:
+    # ZeRO-3 numbers parameters and modules from process-wide counters (deepspeed 0.19:
+    # zero.Init.param_id, and the mutable default `count=[0]` of
+    # DeepSpeedZeRoOffload._register_deepspeed_module) and checks that all ranks agree on the
+    # ids of its prefetch trace. A warm worker building its second engine would count on from
+    # where its first stopped while a fresh worker starts at 0, so every build starts afresh.
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    Init.param_id = 0
+    Init.num_persisted_parameters = 0
+    Init.num_persisted_elements = 0
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
+    module_count[0] = 0
+
+
+def disable_cpu_shm_comm() -> None:
+    # DeepSpeed (0.19) JIT-compiles a shared-memory all-reduce for CPU worlds on first init
+    # (~30 s of C++ build per fresh machine) and keys its buffers by rank, which collides when
+    # ranks on one host are re-numbered by a resize. The training path does not use it (ZeRO's
+    # collectives go through torch.distributed), so mark the op unavailable.
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+def mark_universal_checkpoint_info(model) -> None:
+    # DeepSpeed's universal-checkpoint converter (ds_to_universal) asks for this marker on the module.
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE
+
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})

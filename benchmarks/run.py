@@ -4,10 +4,12 @@ Each benchmark is its own script (rerun any one alone); this runs them one after
 two clusters at once), reads the JSON each writes, and renders the tables with the command and
 the machine that produced them.
 
-Usage: python -m benchmarks.run [--reduced] [--only recovery,raytrain,...] [--out BENCHMARKS.md]
+Usage: python -m benchmarks.run [--reduced] [--only recovery,raytrain,...] [--render] [--out BENCHMARKS.md]
   --reduced: one repeat, short runs (what the test suite runs so the scripts cannot rot)
   --only:    rerun these sections; the others are rendered from their last full run, kept in
              benchmarks/results/NAME.json with the command, date and machine that produced them
+  --render:  run nothing, render every section from benchmarks/results (e.g. after a GPU run:
+             `python benchmarks/gpu.py --json X` where CUDA is, stored as results/gpu.json)
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def render(sections: dict[str, dict | None], reduced: bool) -> str:
             if not reduced:
                 lines += [f"## {title}", "", f"Not run yet: `{command(name)}`.", ""]
             continue
-        source = f"`{section['command']}` (run on {section['date']})"
+        source = f"`{section['command']}` (run on {section['date']}" + \
+            (f"; machine: {section['machine']})" if name in GPU_ONLY else ")")
         lines += [f"## {title}", "", *renderer(section["result"]), "", source, ""]
     return "\n".join(lines)
 
@@ -234,6 +237,32 @@ def render_checkpoint(ck: dict) -> list[str]:
             "(target ≥ 3x) |"]
 
 
+def render_gpu(g: dict) -> list[str]:
+    p, a = g["plain"], g["airay"]
+    m = g["model"]
+    return [
+        f"{g['gpu']}, one GPU: the tiny GPT at d_model {m['d_model']}, {m['n_layers']} layers, vocab "
+        f"{m['vocab_size']}, {m['seq_len']} tokens ({g['parameters'] / 1e9:.2f}B parameters), bf16, ZeRO-1, "
+        f"torch AdamW, global batch {g['global_batch_size']} ({g['tokens_per_step']} tokens/step); median over "
+        f"steps {g['warmup']}-{g['steps'] - 1}, each timed with a CUDA synchronize. No sleep: every step is GPU work. "
+        f"MFU: {g['flops_per_token'] / 1e9:.2f} GFLOP/token (6 x matmul parameters + attention) against "
+        f"{g['peak_tflops']:g} TFLOP/s dense bf16.",
+        "",
+        "| | step s | tokens/s | MFU | backend, device |",
+        "| --- | --- | --- | --- | --- |",
+        f"| plain DeepSpeed (one process, NCCL world of 1) | {p['step_s']:.3f} | {p['tokens_per_s']:,.0f} | "
+        f"{p['mfu']:.3f} | {p['backend']}, {p['device']} |",
+        f"| airay (Ray actor, world of 1), per step | {a['step_s']:.3f} | {a['tokens_per_s']:,.0f} | {a['mfu']:.3f} | "
+        f"{a['backend']}, {a['device']} (LOCAL_RANK {a['local_rank']}) |",
+        f"| airay, wall time across rounds (driver round trips included) | {a['wall_step_s']:.3f} | "
+        f"{a['wall_tokens_per_s']:,.0f} | {a['wall_tokens_per_s'] * g['flops_per_token'] / (g['peak_tflops'] * 1e12):.3f} | |",
+        "",
+        f"airay / plain throughput: **{g['ratio_step']:.3f}** per step, {g['ratio_wall']:.3f} in wall time. "
+        f"The two runs' losses agree within {g['max_loss_rel_diff']:.1e} (relative) at every step. "
+        "Run by hand where a GPU is (the suite's machine has none); this section is rendered from its stored result.",
+    ]
+
+
 def render_data(d: dict) -> list[str]:
     """Samples/s per worker through airay's Ray Data path vs plain DataLoaders (benchmarks/data.py)."""
     return [f"{d['rows']:,} rows of 129 int32 tokens in 4 parquet files, {d['workers']} workers on a local cluster. "
@@ -258,14 +287,17 @@ RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md'
     "checkpoint": ("Checkpoint: blocking per save and recovery per tier", render_checkpoint),
     "data": ("Data path: airay's Ray Data stream vs a plain torch DataLoader", render_data),
     "simulate": ("Simulated goodput on large fleets (`airay simulate`)", render_simulate),
+    "gpu": ("GPU: airay's CUDA/NCCL path, throughput and MFU against plain DeepSpeed", render_gpu),
 }
+GPU_ONLY = {"gpu": ["--steps", "25", "--warmup", "5"]}  # needs CUDA: rendered from benchmarks/results
 
 
 def command(name: str, reduced: bool = False) -> str:
     """The command line a section runs (and BENCHMARKS.md shows under it)."""
     if name == "simulate":
         return f"airay simulate {' '.join(SIMULATE_REDUCED if reduced else SIMULATE_FULL)}"
-    return f"python benchmarks/{SCRIPT.get(name, name)}.py {' '.join((REDUCED if reduced else FULL)[name])}"
+    args = GPU_ONLY[name] if name in GPU_ONLY else (REDUCED if reduced else FULL)[name]
+    return f"python benchmarks/{SCRIPT.get(name, name)}.py {' '.join(args)}"
 
 
 def run_section(name: str, reduced: bool, tmp: Path) -> dict:
@@ -287,8 +319,11 @@ def main() -> int:
     ap.add_argument("--reduced", action="store_true")
     ap.add_argument("--only", default="", help="sections to rerun (full mode); the rest come from benchmarks/results/")
     ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--render", action="store_true", help="run nothing: write BENCHMARKS.md from benchmarks/results")
     args = ap.parse_args()
-    names = [*FULL, "simulate"]  # reduced mode leaves out the long goodput run (its renderer is unit-tested)
+    # Reduced mode leaves out the long goodput run (its renderer is unit-tested); the GPU section runs
+    # only where CUDA is (--only gpu), else it is rendered from its stored result.
+    names = [*FULL, "simulate", *GPU_ONLY]
     only = [n for n in args.only.split(",") if n]
     if [n for n in only if n not in names] or (only and args.reduced):
         ap.error(f"--only takes sections of {names}, in full mode only")
@@ -298,7 +333,7 @@ def main() -> int:
             stored = RESULTS / f"{name}.json"
             if args.reduced and name not in REDUCED and name != "simulate":
                 continue
-            if only and name not in only:
+            if args.render or (only and name not in only) or (name in GPU_ONLY and name not in only):
                 sections[name] = json.loads(stored.read_text()) if stored.exists() else None
                 continue
             started = time.perf_counter()

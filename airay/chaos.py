@@ -2,8 +2,8 @@
 
 The driver decides which rank gets which fault at which step (`round_faults`, pure); the worker
 strikes it inside the step (`strike`), where a real fault of that kind would happen. Faults that
-act on files or nodes (corrupt_checkpoint, lose_memory_primary, remove_node, add_node) are carried
-out by the driver, and so are the data faults (lose_data_block, stall_data_block): the driver
+act on checkpoints or nodes (CHECKPOINT_FAULTS, remove_node, add_node) are carried out by the
+driver, and so are the data faults (lose_data_block, stall_data_block): the driver
 hands the round a step whose rows for one rank come from a bad block (`spoil_rows`, `bad_block`).
 """
 
@@ -89,30 +89,38 @@ def _vm_size_bytes() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
-def corrupt_checkpoint(path: str | os.PathLike, load_tag: str) -> str:
-    """Flip bytes in the middle of the largest file the checkpoint would load; sizes stay the same
-    (so only checksums can tell). Returns the file's path relative to the checkpoint."""
-    path = Path(path)
-    files = [p for p in (path / load_tag).rglob("*") if p.is_file()]
-    target = max(files, key=lambda p: p.stat().st_size)
-    size = target.stat().st_size
-    with open(target, "r+b") as f:
-        f.seek(size // 2)
-        chunk = f.read(64)
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in chunk))
-    return str(target.relative_to(path))
+CHECKPOINT_FAULTS = ("corrupt_checkpoint", "corrupt_memory_copy", "lose_node_memory")
 
 
-def lose_memory(root: str | os.PathLike) -> list[Path]:
-    """Delete the memory tier's checkpoints under `root`, as the loss of the node holding them
-    would; returns what was deleted."""
-    import shutil
+def damage_checkpoint(kind: str, candidates: list, group, rank: int, storage) -> dict[str, Any]:
+    """Damage the checkpoint a recovery would load; returns what was done (for the event).
 
-    gone = sorted(p for p in Path(root).glob("step_*") if p.is_dir())
-    for p in gone:
-        shutil.rmtree(p)
-    return gone
+    corrupt_checkpoint: flip bytes in every copy (each node's memory tier, the durable tier) of the
+    largest file of the newest complete step: no good copy is left, so the run rejects the step
+    and loads the one before. corrupt_memory_copy: flip bytes in the memory copy, on `rank`'s node,
+    of the largest file `rank` wrote to the newest memory step: its load (on that node) reads the
+    next copy, a peer's. lose_node_memory: the memory copies of the newest memory step on `rank`'s node are
+    lost, as with that node's memory: the files its ranks wrote come from the peer copies."""
+    memory = [c for c in candidates if c.tier == "memory"]
+    info = candidates[0] if kind == "corrupt_checkpoint" else memory[0]
+    node = group.member(rank).node_id
+    files = info.manifest.files
+    if kind == "lose_node_memory":
+        return {"checkpoint_step": info.step, "node_id": node, "removed": group.drop_memory(info.step, node)}
+    if kind == "corrupt_memory_copy":
+        name = max((n for n, f in files.items() if f.rank == rank), key=lambda n: files[n].size)
+        return {"checkpoint_step": info.step, "file": name, "node_id": node,
+                "copies": group.damage_memory(info.step, name, nodes=[node])}
+    name = max(files, key=lambda n: files[n].size)
+    damaged = group.damage_memory(info.step, name)
+    rel = f"step_{info.step:08d}/{name}"
+    if storage.size(rel) is not None:
+        data = bytearray(storage.read_bytes(rel))
+        mid = len(data) // 2
+        data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])  # same size: only checksums tell
+        storage.write_bytes(rel, bytes(data))
+        damaged.append(storage.uri(rel))
+    return {"checkpoint_step": info.step, "file": name, "copies": damaged}
 
 
 def spoil_rows(pieces: list, lo: int, hi: int, bad) -> list:

@@ -100,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from airay.api import fit
 
-        result = fit(config)
+        try:
+            result = fit(config)
+        except ConfigError as exc:  # found once Ray is up (a dataset, a checkpoint path of another job)
+            print(f"airay: {exc}", file=sys.stderr)
+            return 2
         print(json.dumps(result.__dict__, indent=2, default=str) if args.json else _summary(result))
         if result.status == "preempted":
             print("airay: preempted; run the same command again to resume from the checkpoint above")
@@ -150,42 +154,41 @@ def _jobs(args) -> int:
 
 def checkpoint_tiers(location: str) -> list[tuple[str, str]]:
     """[(tier, location)] to list for `airay checkpoints LOCATION`: a run directory's durable
-    checkpoint path (from its config.yaml) and, when it has one, its memory tier (and replica) on this node;
-    anything else is taken as a checkpoint path."""
+    checkpoint path (from its config.yaml) and its memory tier as this machine holds it; anything
+    else is taken as a checkpoint path."""
     from pathlib import Path
 
     import yaml
 
-    from airay.checkpoint import memory_root, replica_root
+    from airay.checkpoint.tiers import memory_base
 
     config = Path(location) / "config.yaml"
     if "://" in location or not config.is_file():
         return [("durable", location)]
     ck = (yaml.safe_load(config.read_text()) or {}).get("checkpoint") or {}
     durable = ck.get("path") or str(Path(location) / "checkpoints")
-    tiers = [("durable", durable)]
-    if ck.get("fast_every_n_steps"):
-        memory = memory_root(ck.get("memory_path"), durable)
-        tiers.insert(0, ("memory", str(memory)))
-        if replica_root(memory).is_dir():  # the replica's copies, when it ran on this node
-            tiers.insert(1, ("memory", str(replica_root(memory))))
-    return tiers
+    memory = memory_base(ck.get("memory_path"), durable)
+    return [("memory", str(memory)), ("durable", durable)] if memory.is_dir() else [("durable", durable)]
 
 
 def _checkpoints(args) -> int:
-    from airay import checkpoint as ck
-    from airay.storage import Storage
+    from airay.checkpoint.layout import KEEP_MARKER, step_name
+    from airay.checkpoint.storage import Storage
+    from airay.checkpoint.tiers import describe, describe_memory
 
     rows = []
     try:
         for tier, where in checkpoint_tiers(args.location):
-            storage = Storage(where)
-            if args.keep is not None and tier == "durable":
-                if ck.verify_at(storage, ck.step_name(args.keep)) is None:
-                    print(f"airay: no complete checkpoint of step {args.keep} in {storage.uri()}", file=sys.stderr)
+            if tier == "memory":
+                rows += describe_memory(where)
+                continue
+            if args.keep is not None:
+                if not any(r["step"] == args.keep and r["status"] == "verified" for r in describe(where)):
+                    print(f"airay: no complete checkpoint of step {args.keep} in {Storage(where).uri()}",
+                          file=sys.stderr)
                     return 2
-                storage.write_bytes(f"{ck.step_name(args.keep)}/{ck.KEEP_MARKER}", b"")
-            rows += ck.describe(storage, tier, args.crc)
+                Storage(where).write_bytes(f"{step_name(args.keep)}/{KEEP_MARKER}", b"")
+            rows += describe(where, args.crc)
     except (OSError, ValueError) as exc:
         print(f"airay: cannot read checkpoints at {args.location}: {exc}", file=sys.stderr)
         return 2

@@ -161,8 +161,10 @@ STORAGE_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
 
 
 class CheckpointSpec(_Spec):
-    """Two tiers: durable checkpoints on `path` every `every_n_steps`, and (with
-    `fast_every_n_steps`) more frequent ones in the memory of the driver's node, loaded first."""
+    """Two tiers: every save goes to the memory of the nodes that train (each rank its own files,
+    each node's copied to the next node), loaded first; every `every_n_steps` (and at the end) it
+    is uploaded to durable storage on `path` too. `fast_every_n_steps` adds saves in between
+    that stay in memory."""
 
     path: str | None = Field(
         None, description="durable tier: a directory shared by all nodes, or a pyarrow filesystem URI "
@@ -172,10 +174,12 @@ class CheckpointSpec(_Spec):
     keep_last: int = Field(3, ge=1, description="durable checkpoints kept (and any marked KEEP); older ones "
                            "are deleted")
     fast_every_n_steps: int | None = Field(
-        None, ge=1, description="memory tier interval; must divide every_n_steps. Default: no memory tier")
+        None, ge=1, description="interval of saves to the memory tier only; must divide every_n_steps. Default: "
+        "only the durable saves (which go through the memory tier too)")
     memory_path: str | None = Field(
-        None, description="the memory tier's base directory on the driver's node; default /dev/shm/airay")
-    memory_keep_last: int = Field(2, ge=1, description="memory-tier checkpoints kept")
+        None, description="the memory tier's base directory on every node (private to you, mode 0700); "
+        "default /dev/shm/airay")
+    memory_keep_last: int = Field(2, ge=1, description="memory-tier checkpoints kept on each node")
     preemption_grace_s: float = Field(
         30, gt=0, description="after SIGTERM (spot reclaim), the run checkpoints and exits within this long")
 
@@ -206,8 +210,8 @@ class CheckpointSpec(_Spec):
 
 
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
-                    "corrupt_checkpoint", "lose_memory_primary", "slow_worker", "lose_data_block",
-                    "stall_data_block"]
+                    "corrupt_checkpoint", "corrupt_memory_copy", "lose_node_memory", "slow_worker",
+                    "lose_data_block", "stall_data_block"]
 # Faults the driver strikes on the data it hands a round (airay.chaos.spoil_rows), not at a round's start.
 DATA_FAULTS = ("lose_data_block", "stall_data_block")
 
@@ -220,10 +224,13 @@ class ChaosSpec(_Spec):
     (`hang_mode` sleep: a blocking call in the training thread; sigstop: the whole process
     stops, heartbeat included). raise_in_user_code: the rank's loss function raises.
     oom_worker: the rank's address space is capped just above its use, then it allocates until
-    MemoryError. corrupt_checkpoint: flip bytes in the newest committed checkpoint, then kill
-    the rank so the run must load it. lose_memory_primary: once the memory tier's replica holds
-    the newest memory checkpoint, the driver node's copy is lost (its committer killed, its files
-    deleted), then the rank is killed, so the run must recover from the replica. slow_worker: the rank sleeps `delay_s` in each of
+    MemoryError. corrupt_checkpoint: flip bytes in every copy of a file of the newest committed
+    checkpoint, then kill the rank so the run must load one (it falls back to the step before).
+    corrupt_memory_copy: flip bytes in one copy, the one on the rank's node, of a file the rank
+    wrote to the newest memory checkpoint, then kill the next rank: the rank's own load finds its
+    node's copy bad and reads the peer copy.
+    lose_node_memory: the rank's node loses its memory-tier copies of the newest memory
+    checkpoint, then the rank is killed (its files come from the peer copies). slow_worker: the rank sleeps `delay_s` in each of
     `steps` steps (a straggler). lose_data_block / stall_data_block (streamed data): the rows of
     step `at_step` that `rank` trains on come from a block whose owner is gone (ObjectLostError)
     or that never arrives (a data.fetch_timeout_s timeout); the step need not start a round.
@@ -355,16 +362,23 @@ class JobConfig(_Spec):
             if fault.fault == "corrupt_checkpoint" and self.checkpoint.keep_last < 2:
                 raise ValueError(f"chaos[{i}]: corrupt_checkpoint needs checkpoint.keep_last >= 2 "
                                  "(an older checkpoint to fall back to)")
-            if fault.fault == "lose_memory_primary" and (not self.checkpoint.fast_every_n_steps
-                                                         or fault.at_step <= self.checkpoint.fast_every_n_steps):
-                raise ValueError(f"chaos[{i}]: lose_memory_primary needs a memory tier with a committed "
-                                 "checkpoint: set checkpoint.fast_every_n_steps, and at_step > it")
+            if fault.fault == "corrupt_memory_copy" and self.scaling.max_workers < 2:
+                raise ValueError(f"chaos[{i}]: corrupt_memory_copy kills the rank after `rank`; it needs "
+                                 "scaling.max_workers >= 2")
+            if fault.fault in ("corrupt_memory_copy", "lose_node_memory") and fault.at_step <= self.checkpoint.interval:
+                raise ValueError(f"chaos[{i}]: {fault.fault} needs a committed memory checkpoint: set at_step > "
+                                 f"{self.checkpoint.interval} (checkpoint.fast_every_n_steps or every_n_steps)")
             if fault.fault == "slow_worker" and fault.at_step + fault.steps > self.max_steps:
                 raise ValueError(f"chaos[{i}]: slow_worker steps ({fault.steps}) run past max_steps "
                                  f"({self.max_steps}); lower chaos[{i}].steps or at_step")
             if fault.fault in DATA_FAULTS and self.data.source == "synthetic":
                 raise ValueError(f"chaos[{i}]: {fault.fault} spoils a block of streamed data; it needs "
                                  "data.source parquet or dataset")
+        bf16 = bool(self.deepspeed.get("bf16", {}).get("enabled"))
+        if bf16 and self.zero_stage == 0 and len(self.scaling.world_sizes) > 1:
+            raise ValueError("deepspeed bf16 with zero_optimization.stage 0 keeps DeepSpeed's bf16 optimizer, whose "
+                             "checkpoints cannot be resharded to another world size; use zero_optimization.stage 1-3, "
+                             "or a fixed world (scaling.min_workers = max_workers)")
         fetch, hang = self.data.fetch_timeout_s, self.timeouts.hang_timeout_s
         if fetch is not None and fetch >= hang:
             raise ValueError(f"data.fetch_timeout_s ({fetch:g}) must be < timeouts.hang_timeout_s ({hang:g}): a rank "

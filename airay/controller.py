@@ -15,7 +15,10 @@ from typing import Any
 import ray
 
 from airay import chaos, goodput, policy
-from airay.checkpoint import CheckpointInfo, Checkpointer, memory_root, replica_root
+from airay.checkpoint.layout import CheckpointInfo, job_identity
+from airay.checkpoint.loading import CheckpointUnavailable
+from airay.checkpoint.manager import Checkpointer
+from airay.checkpoint.tiers import memory_base
 from airay.config import DATA_FAULTS, JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.data.pipeline import DataLog, Feeder, Stream
@@ -85,8 +88,10 @@ class Controller:
         self.plans = policy.batch_plans(config.global_batch_size, config.micro_batch_size, self.sizes)
         ck = config.checkpoint
         root = ck.path or str(recorder.run_dir / "checkpoints")
-        memory = memory_root(ck.memory_path, root) if ck.fast_every_n_steps else None
-        self.ckpt = Checkpointer(root, config.zero_stage, ck.keep_last, recorder, memory, ck.memory_keep_last)
+        self.job = job_identity(config.name, config.model.model_dump(mode="json"), config.zero_stage)
+        self.memory_base = str(memory_base(ck.memory_path, root))
+        self.ckpt = Checkpointer(root, config.zero_stage, ck.keep_last, recorder, self.job, self.memory_base,
+                                 ck.memory_keep_last)
         self.group: WorkerGroup | None = None
         # A streamed dataset's feeder buffers a round plus what workers prefetch beyond it.
         self.feeder = Feeder(stream, config.max_steps, config.steps_per_round + config.data.prefetch_steps + 1,
@@ -143,7 +148,13 @@ class Controller:
             if self.feeder is not None:
                 self.feeder.close()
             if self.group is not None:
-                self.ckpt.abandon()  # uploads still running die with the committer: say so
+                self.ckpt.abandon()  # uploads still running die with their ranks: say so
+                try:
+                    # A finished run's last checkpoint is durable: its memory tier goes. Otherwise
+                    # the newest memory steps stay, for a re-run on these nodes to resume from.
+                    self.group.end_memory(remove=self.state == State.FINISHED, keep=self.ckpt.memory_steps)
+                except Exception as exc:  # the cluster is going away: the tiers go with its nodes
+                    self.rec.event("checkpoint_cleanup_failed", error=f"{type(exc).__name__}: {exc}")
                 self.group.shutdown()
             for cleanup in self.chaos_cleanups:
                 try:
@@ -161,10 +172,8 @@ class Controller:
             latest = self.ckpt.latest()
             self.feeder.seek(latest.step if latest else 0)
         per_worker = sc.resources_per_worker or default_worker_resources(ray.cluster_resources())
-        replica = (str(replica_root(self.ckpt.memory)), self.cfg.checkpoint.memory_keep_last) \
-            if self.ckpt.memory is not None else None
         self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
-                                 self.cfg.timeouts.survivor_drain_s, replica)
+                                 self.cfg.timeouts.survivor_drain_s, self.memory_base, self.job)
         self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
         # Room for the whole world, as a standing request the autoscaler acts on (a launcher
         # cluster that starts small grows; a lost node is replaced), withdrawn when the run ends.
@@ -193,17 +202,18 @@ class Controller:
             time.sleep(1.0)
         if not self.group.wait_for_standby(size, timeout_s=self.cfg.timeouts.capacity_wait_s + 120):
             raise RunFailed(f"{size} workers were placed but did not start within the timeout")
-        ckpt = self.ckpt.latest(self.group)
-        if ckpt is not None:
-            self.rec.event("resuming", step=ckpt.step, path=str(ckpt.path))
-        return State.RUNNING if self._form(size, ckpt) else State.RECOVERING
+        self.group.ensure_stores()  # the nodes' memory tiers: what an earlier run left there counts too
+        candidates = self.ckpt.candidates(self.group)
+        if candidates:
+            self.rec.event("resuming", step=candidates[0].step, path=candidates[0].path, tier=candidates[0].tier)
+        return State.RUNNING if self._form(size, candidates) else State.RECOVERING
 
     def _running(self) -> State:
         if self.step >= self.cfg.max_steps:
             return self._finish()
         if self.preempt_deadline is not None:
             return self._preempt()
-        self.ckpt.poll(self.group)
+        self.ckpt.poll()
         if self.step % self.cfg.timeouts.grow_check_every_n_steps == 0 and self._can_grow():
             return State.GROWING
         # Data faults strike whatever round holds their step: the round is re-run from its start.
@@ -310,11 +320,11 @@ class Controller:
             decision = policy.decide_recovery(len(group.active), len(group.standby), self.sizes)
         new = decision.new_world_size
         t_ckpt = time.time()
-        ckpt = self.ckpt.latest(self.group)
+        candidates = self.ckpt.candidates(self.group)
         self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="failure",
-                       checkpoint_step=ckpt.step if ckpt else None)
+                       checkpoint_step=candidates[0].step if candidates else None)
         parts = {"drain_s": t_drained - self.t_detect, "checkpoint_wait_s": time.time() - t_ckpt}
-        if not self._form(new, ckpt, t0=self.t_detect, old=old, reason="failure", parts=parts):
+        if not self._form(new, candidates, t0=self.t_detect, old=old, reason="failure", parts=parts):
             return State.RECOVERING
         return State.RUNNING
 
@@ -334,12 +344,12 @@ class Controller:
         self._check_budget()  # a block that is lost again and again ends the run, never loops
         group.leave_all()
         t_drained = time.time()
-        ckpt = self.ckpt.latest(self.group)
-        self.feeder.restart(ckpt.step if ckpt else 0)
+        candidates = self.ckpt.candidates(self.group)
+        self.feeder.restart(candidates[0].step if candidates else 0)
         self.rec.event("resize_started", step=self.step, old_world_size=size, new_world_size=size, reason="failure",
-                       cause="data_lost", checkpoint_step=ckpt.step if ckpt else None)
+                       cause="data_lost", checkpoint_step=candidates[0].step if candidates else None)
         parts = {"drain_s": t_drained - self.t_detect, "checkpoint_wait_s": time.time() - t_drained}
-        if not self._form(size, ckpt, t0=self.t_detect, old=size, reason="failure", parts=parts):
+        if not self._form(size, candidates, t0=self.t_detect, old=size, reason="failure", parts=parts):
             return State.RECOVERING
         return State.RUNNING
 
@@ -351,9 +361,9 @@ class Controller:
         self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="grow")
         if self.ckpt.last_saved_step != self.step and not self._checkpoint():
             return State.RECOVERING
-        ckpt = self.ckpt.latest(self.group)
+        candidates = self.ckpt.candidates(self.group)
         parts = {"checkpoint_s": time.time() - t0}
-        return State.RUNNING if self._form(new, ckpt, t0=t0, old=old, reason="grow", parts=parts) \
+        return State.RUNNING if self._form(new, candidates, t0=t0, old=old, reason="grow", parts=parts) \
             else State.RECOVERING
 
     def _preempt(self) -> State:
@@ -379,34 +389,34 @@ class Controller:
 
     # ---- actions -------------------------------------------------------------------------------
 
-    def _form(self, size: int, ckpt: CheckpointInfo | None, t0: float | None = None, old: int | None = None,
+    def _form(self, size: int, candidates: list[CheckpointInfo], t0: float | None = None, old: int | None = None,
               reason: str = "start", parts: dict[str, float] | None = None) -> bool:
-        """Form a world of `size`, load `ckpt` (or start at step 0). False: a rank was lost meanwhile."""
+        """Form a world of `size` and load the newest of `candidates` that has a good copy of every
+        file (or start at step 0). False: a rank was lost meanwhile."""
         t_form = time.time()
         if self.feeder is not None:
-            self.feeder.seek(ckpt.step if ckpt else 0)
-        outcomes, timings = self.group.form(size, self.plans[size], load_universal=bool(ckpt and ckpt.load_tag == "universal"))
+            self.feeder.seek(candidates[0].step if candidates else 0)
+        outcomes, timings = self.group.form(size, self.plans[size])
         if not self._ok(outcomes):
             return False
+        for found in self.group.foreign_tiers:
+            self.rec.event("checkpoint_ignored", tier="memory", path=found["path"], node_id=found["node_id"],
+                           job=found["found"], reason="another job's memory tier on this path: cleared, not loaded")
+        self.group.foreign_tiers = []
         t_load = time.time()
-        if ckpt is not None:
-            outcomes, values = self.group.load(ckpt)
-            if not self._ok(outcomes):
-                return False
-            self.step = values[0]["step"]
-            if self.feeder is not None:
-                self.feeder.check_position(values[0].get("data_position"), self.step)
-            copy = {"copy": ckpt.copy} if ckpt.tier == "memory" else {}
-            self.rec.event("checkpoint_loaded", step=self.step, path=str(ckpt.path), tier=ckpt.tier, **copy,
-                           world_size=size,
-                           saved_world_size=ckpt.world_size, load_s=time.time() - t_load,
-                           fetch_s=max(v["fetch_s"] for v in values))
-        else:
+        ckpt = self._load(size, candidates)
+        if ckpt is False:
+            return False
+        if ckpt is None:
             self.step = 0
+        if self.feeder is not None and ckpt is not None and ckpt.step != candidates[0].step:
+            self.feeder.seek(ckpt.step)  # a newer candidate had no good copy of some file
         self.world_sizes.append(size)
         self.stragglers = set()
         self.ckpt.last_saved_step = ckpt.step if ckpt else None
         self.ckpt.last_saved_durable = bool(ckpt and ckpt.tier == "durable")
+        if ckpt is not None and ckpt.tier == "memory":  # kept by the memory tier's retention from now on
+            self.ckpt.memory_steps = sorted(set(self.ckpt.memory_steps) | {ckpt.step})
         if t0 is not None:
             self.pending_resize = _PendingResize(t0, old, size, reason, self.step, {
                 **(parts or {}), "reform_s": t_load - t_form, "reload_s": time.time() - t_load, **timings})
@@ -417,6 +427,35 @@ class Controller:
                                                                  "engine_device")}}
                                 for m in self.group.active])
         return True
+
+    def _load(self, size: int, candidates: list[CheckpointInfo]) -> CheckpointInfo | None | bool:
+        """Load the newest candidate every rank finds good copies of; a candidate some file of
+        which has no good copy anywhere is rejected and the next tried. Returns what was loaded,
+        None (nothing to load), or False (a rank was lost meanwhile)."""
+        durable_steps = {c.step for c in candidates if c.tier == "durable"}
+        for ckpt in candidates:
+            t0 = time.time()
+            outcomes, values = self.group.load(ckpt, self.ckpt.durable.location if ckpt.step in durable_steps else None)
+            failed = [o for o in outcomes if o.kind != "ok"]
+            if failed and all(o.kind == "errored" and o.cause == CheckpointUnavailable.__name__ for o in failed):
+                self.ckpt.reject(ckpt, failed[0].error, self.group)
+                continue
+            if not self._ok(outcomes):
+                return False
+            self.step = values[0]["step"]
+            if self.feeder is not None:
+                self.feeder.check_position(values[0].get("data_position"), self.step)
+            for rank, v in enumerate(values):
+                for bad in v["bad"]:  # a copy that failed its checksum, and the next that served
+                    self.rec.event("checkpoint_rejected", step=ckpt.step, tier=ckpt.tier, rank=rank, file=bad["file"],
+                                   copy=bad["copy"], reason=bad["reason"], fell_back=True)
+            copies = {k: sum(v["copies"][k] for v in values) for k in ("local", "peer", "durable")}
+            self.rec.event("checkpoint_loaded", step=self.step, path=ckpt.path, tier=ckpt.tier, world_size=size,
+                           saved_world_size=ckpt.world_size, resharded=values[0]["resharded"], copies=copies,
+                           load_s=time.time() - t0, fetch_s=max(v["fetch_s"] for v in values),
+                           reshard_s=max(v["reshard_s"] for v in values), bytes_read=sum(v["bytes"] for v in values))
+            return ckpt
+        return None
 
     def _ok(self, outcomes, fault_ts: float | None = None) -> bool:
         """True if every rank's call succeeded. A user-code error fails the run; any other
@@ -502,19 +541,16 @@ class Controller:
                                reason=f"world size is {world}")
                 continue
             detail = {}
-            if fault.fault == "lose_memory_primary":
-                # The driver node's memory is lost once the replica holds the newest memory
-                # checkpoint (so the outcome is known): the committer dies, the primary copies go;
-                # then kill the rank so the run must load one.
-                self.ckpt.wait_replicated(self.group)
-                self.group.lose_memory_primary()
-                detail = {"removed": [str(p) for p in chaos.lose_memory(self.ckpt.memory)]}
-                faults.setdefault(fault.rank, {})[step] = {"fault": "kill_worker"}
-            if fault.fault == "corrupt_checkpoint":
-                # Damage the checkpoint the run would load, then make it need one: kill the rank.
-                ckpt = self.ckpt.latest()
-                detail = {"path": str(ckpt.path), "file": chaos.corrupt_checkpoint(ckpt.path, ckpt.load_tag)}
-                faults.setdefault(fault.rank, {})[step] = {"fault": "kill_worker"}
+            if fault.fault in chaos.CHECKPOINT_FAULTS:
+                # Damage the checkpoint the run would load (once committed, so the outcome is
+                # known), then make the run need one: kill the rank.
+                self.ckpt.wait(uploads=True)
+                detail = chaos.damage_checkpoint(fault.fault, self.ckpt.candidates(self.group), self.group,
+                                                 fault.rank, self.ckpt.durable.storage)
+                # A bad copy must be read by its own node's rank: then another rank is the one lost.
+                victim = (fault.rank + 1) % world if fault.fault == "corrupt_memory_copy" else fault.rank
+                faults.setdefault(victim, {})[step] = {"fault": "kill_worker"}
+                detail["killed_rank"] = victim
             self.rec.event("fault_injected", step=step, fault=fault.fault, rank=fault.rank,
                            **({"hang_mode": fault.hang_mode} if fault.fault == "hang_worker" else {}), **detail)
             struck = struck or fault.fault not in ("add_node", "slow_worker")
@@ -571,6 +607,7 @@ class Controller:
                           checkpoint_wait_s=max(r.get("checkpoint_wait_s", 0.0) for r in per_rank),
                           tokens_per_s=tokens / step_time if tokens and step_time > 0 else None, ts=now)
             self.rec.metric(**metric)
+            self.ckpt.note_wait(step, metric["checkpoint_wait_s"])
             self.telemetry.step(metric, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
         self.data_log.record(start, values)
         if self.pending_resize is not None:
@@ -590,7 +627,7 @@ class Controller:
         end = time.time()
         wall = end - self.t_start
         ok = self.state == State.FINISHED
-        final = self.ckpt.latest() if ok else self.ckpt.latest_known() if self.state == State.PREEMPTED else None
+        final = self.ckpt.latest() if self.state in (State.FINISHED, State.PREEMPTED) else None
         run_dir = self.rec.run_dir
         g = goodput.compute(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), end_ts=end)
         status = "finished" if ok else "preempted" if self.state == State.PREEMPTED else "failed"

@@ -61,10 +61,11 @@ MATRIX: dict[str, Row] = {
         "replace the worker (fresh process), recover like a crash",
         "recovered"),
     "corrupt_checkpoint": Row(
-        "`corrupt_checkpoint` (flip bytes of the newest checkpoint, then kill `rank`)",
-        "CRC-32 of a file differs from the manifest when the checkpoint is chosen for loading "
-        "(`checkpoint_rejected`)",
-        "set it aside (rejected_step_N), load the previous good checkpoint, replay from there",
+        "`corrupt_checkpoint` (flip bytes in every copy of a file of the newest checkpoint, then kill `rank`)",
+        "the ranks that read the file find its CRC-32 differs from the manifest's in every copy "
+        "(`checkpoint_rejected`, per tier)",
+        "drop its memory copies, set the durable one aside (rejected_step_N), load the previous good "
+        "checkpoint, replay from there",
         "recovered"),
     "slow_worker": Row(
         "`slow_worker` (a rank sleeps `delay_s` per step for `steps` steps)",

@@ -11,8 +11,10 @@ older checkpoint and done again ("replayed_steps"). The rest of the wall time is
   here; for a grow: the moment the grow began) until the new world is formed. A checkpoint
   taken inside the window is counted under checkpoint_blocking, not twice.
 - replayed_steps: earlier executions of steps that were executed again after a rollback.
-- checkpoint_blocking: the time training was blocked by checkpoint saves (`blocking_s`, and
-  the steps' `checkpoint_wait_s` for a save's host copies, taken out of their step time).
+- checkpoint_blocking: the time training was held by checkpoint saves: `blocking_s` and
+  `previous_commit_wait_s` of each save, and the steps' `checkpoint_wait_s` (an optimizer step
+  waiting for the previous save's live writes), taken out of their step time. A save's
+  `checkpoint_saved` event reports the three together as `held_s`.
 - A run directory resumed by a later run of the same job holds several runs (one run_started
   each); wall time is the sum of their spans: the time between them, when no run of the job was
   going, is not lost time. Each run's start-up counts as startup.
@@ -94,14 +96,14 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
         startup += max(0.0, (min(progress) if progress else end) - start)
 
     saves = [e for e in events if e["type"] == "checkpoint_saved"]
-    blocking = sum(e.get("blocking_s", 0.0) for e in saves) + sum(wait_s(m) for m in metrics)
+    blocking = sum(save_held_s(e) for e in saves) + sum(wait_s(m) for m in metrics)
     recovery = 0.0
     for t0, t1, r, at_step in windows:
         inside = r.get("checkpoint_s", 0.0)  # a grow checkpoints first, inside its window
         if r.get("reason") == "failure":
             # The checkpoint at the step the failed round started from was saved after the last
             # progress mark and before the round: inside the window.
-            inside = sum(e.get("blocking_s", 0.0) for e in saves if e.get("step") == at_step)
+            inside = sum(save_held_s(e) for e in saves if e.get("step") == at_step)
         recovery += max(0.0, t1 - t0 - inside)
 
     lost = {"startup": startup, "recovery": recovery, "replayed_steps": replayed_s,
@@ -109,6 +111,12 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
     lost["other"] = max(0.0, wall - kept_s - sum(lost.values()))
     return Goodput(wall_s=wall, kept_step_s=kept_s, goodput=kept_s / wall if wall > 0 else 0.0,
                    lost_s={c: lost[c] for c in CAUSES}, kept_steps=len(kept), replayed_steps=replayed)
+
+
+def save_held_s(event: dict[str, Any]) -> float:
+    """What a save held the step loop for, besides the next step's checkpoint_wait_s (counted
+    from the metrics): the collective save call and any wait for the previous save's commit."""
+    return event.get("blocking_s", 0.0) + event.get("previous_commit_wait_s", 0.0)
 
 
 def run_spans(events: list[dict[str, Any]], metrics: list[dict[str, Any]],

@@ -4,7 +4,8 @@ Workers live in bundle slots of placement groups. A worker that dies leaves its 
 a replacement is started in it at once, in the background: if the node is alive the replacement
 comes up in seconds; if the node is gone Ray re-places the bundle when capacity returns. Either
 way the controller keeps training with the survivors and grows the world once a replacement is
-ready (it stands by until then). Nothing outside this module holds an actor handle.
+ready (it stands by until then). Each node that trains also has a NodeStore (its memory tier of
+checkpoints, airay.checkpoint.actors). Nothing outside this module holds an actor handle.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from airay import placement, policy
-from airay.checkpoint import CheckpointInfo, Committer, MemoryReplica
-from airay.storage import Storage
+from airay.checkpoint.actors import NodeStore
+from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
 from airay.health import RankOutcome, find_hung, position
 from airay.policy import BatchPlan
 from airay.worker import TrainWorker, UserCodeError
@@ -43,8 +44,8 @@ class Member:
 
 class WorkerGroup:
     def __init__(self, spec: dict[str, Any], per_worker: dict[str, float], strategy: str,
-                 drain_s: float, replica: tuple[str, int] | None = None):
-        """`replica`: (directory, checkpoints kept) of the memory tier's copy on a peer node."""
+                 drain_s: float, memory_base: str, job: dict):
+        """`memory_base`: the job's memory-tier directory on every node; `job`: its identity."""
         self.spec = spec
         self.per_worker = per_worker
         self.strategy = strategy
@@ -58,83 +59,108 @@ class WorkerGroup:
         self.hangs: list[dict[str, Any]] = []  # the hung ranks of the last failed round, and why
         self.excluded: set[str] = set()  # nodes kept out of placement for the rest of the run
         self.demanded = 0  # worker bundles requested from the autoscaler (placement.request_capacity)
-        self._actor_cls = ray.remote(concurrency_groups={"control": 1, "io": 1})(TrainWorker)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 1, "io": 1, "upload": 1})(TrainWorker)
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if per_worker.get("GPU") else {}
         self._actor_opts = {**placement.actor_options(per_worker), "max_restarts": 0,
                             "runtime_env": {"env_vars": env} if env else None}
-        # The committer reshards checkpoints; it lives beside the driver, whose node outlives workers.
-        self.driver_node = ray.get_runtime_context().get_node_id()
-        # Uploads to durable storage run in their own thread, so they never hold up a commit.
-        self.committer = ray.remote(concurrency_groups={"upload": 1})(Committer).options(
-            num_cpus=0, max_restarts=-1, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                self.driver_node, soft=False)).remote()
-        self.replica_spec = replica
-        self.replica = None
-        self.replica_node: str | None = None
-        if replica is not None:
-            self._place_replica()  # now, so a resumed run finds copies it left on that node
+        self.memory_base, self.job = memory_base, job
+        self.stores: dict[str, Any] = {}  # node id -> its NodeStore
+        self.foreign_tiers: list[dict] = []  # other jobs' memory tiers the stores found (and cleared)
 
-    def _place_replica(self) -> bool:
-        """Start the memory tier's replica on a live node other than the driver's (and not an
-        excluded one); False when there is none (a one-node cluster: no peer to copy to)."""
-        peers = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != self.driver_node
-                       and n["NodeID"] not in self.excluded)
-        if not peers:
-            return False
-        self.replica_node = peers[0]
-        self.replica = ray.remote(MemoryReplica).options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                self.replica_node, soft=False)).remote(*self.replica_spec)
-        return True
+    # ---- the nodes' checkpoint stores -------------------------------------------------------
 
-    def replica_died(self, exc: BaseException) -> bool:
-        """Whether a failed copy failed because the replica (or its node) died, not its source."""
-        return (self.replica is not None and isinstance(exc, ray.exceptions.RayActorError)
-                and exc.actor_id == self.replica._actor_id.hex())
-
-    def replica_lost(self) -> None:
-        """The replica (or its node) died: drop it; the next copy re-places it on a live peer."""
-        if self.replica is not None:
+    def ensure_stores(self, timeout_s: float = 60.0) -> None:
+        """A NodeStore on every node of the world and of the workers standing by (started once
+        per node, pinned to it)."""
+        new = {}
+        for node in sorted({m.node_id for m in self.active + self.standby if m.node_id} - set(self.stores)):
+            new[node] = ray.remote(NodeStore).options(
+                num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(self.memory_base, self.job)
+        for node, store in new.items():
             try:
-                ray.kill(self.replica, no_restart=True)
-            except Exception:
-                pass
-        self.replica, self.replica_node = None, None
+                info = ray.get(store.info.remote(), timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as exc:  # the node is going: no store
+                print(f"airay: no checkpoint store on node {node[:8]}: {str(exc).splitlines()[0]}")
+                continue
+            self.stores[node] = store
+            if info["foreign"] is not None:
+                self.foreign_tiers.append({"node_id": node, "path": info["root"], "found": info["foreign"]})
 
-    def replicate(self, path: str):
-        """Copy a committed memory-tier checkpoint from the committer to the replica, actor to
-        actor through the object store (never through the driver); returns the copy's ref, or
-        None when there is no peer node."""
-        if self.replica_spec is None or (self.replica is None and not self._place_replica()):
-            return None
-        files = self.committer.package_step.remote(path)
-        return self.replica.receive.remote(Path(path).name, files)
+    def _live_stores(self) -> dict[str, Any]:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        for node in [n for n in self.stores if n not in alive]:
+            del self.stores[node]  # its memory went with it
+        return self.stores
 
-    def replica_checkpoints(self, timeout_s: float = 30.0) -> tuple[list[CheckpointInfo], list[dict]]:
-        """The replica's complete, checksum-verified copies (and those it set aside as corrupt);
-        nothing when it is gone (its node lost)."""
-        if self.replica is None:
-            return [], []
-        try:
-            return ray.get(self.replica.checkpoints.remote(), timeout=timeout_s)
-        except (ray.exceptions.RayError, TimeoutError):
-            self.replica_lost()
-            return [], []
+    def ring(self) -> dict[str, str]:
+        """Each node's successor (nodes in id order, the last followed by the first): where its
+        ranks copy their files. Empty with fewer than two nodes."""
+        nodes = sorted(self._live_stores())
+        if len(nodes) < 2:
+            return {}
+        return {node: nodes[(i + 1) % len(nodes)] for i, node in enumerate(nodes)}
 
-    def lose_memory_primary(self) -> None:
-        """Chaos: the committer dies as with its node (Ray restarts it, empty-handed)."""
-        ray.kill(self.committer, no_restart=False)
+    def commit_memory(self, step: int, manifest_json: str, timeout_s: float = 60.0) -> None:
+        """Record a committed step's manifest on every node (a node that fails to is skipped:
+        whether its copies are usable is decided when a load needs them)."""
+        stores = self._live_stores()
+        refs = [s.commit.remote(step, manifest_json) for s in stores.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
-    def commit(self, spec: dict, dirs: list[str]):
-        """Hand each rank's saved files to the committer (through the object store, in the
-        ranks' io threads while they train on); returns the commit's ref."""
-        refs = [m.actor.collect.remote(d) for m, d in zip(self.active, dirs)]
-        return self.committer.commit.remote(spec, *refs)
+    def prune_memory(self, keep: list[int], also_drop: list[int] = (), timeout_s: float = 60.0) -> None:
+        keep = [k for k in keep if k not in also_drop]
+        refs = [s.prune.remote(keep) for s in self._live_stores().values()]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
-    def upload(self, path: str, durable: str, keep_last: int):
-        """Upload a committed memory-tier checkpoint to durable storage, in the committer's upload
-        thread (commits of later saves go on meanwhile); returns the upload's ref."""
-        return self.committer.upload.options(concurrency_group="upload").remote(path, durable, keep_last)
+    def memory_checkpoints(self, job: dict, timeout_s: float = 30.0) -> list[CheckpointInfo]:
+        """Complete memory-tier checkpoints of `job`: a manifest on some node, and every file it
+        lists held (at its size) by some live node."""
+        stores = self._live_stores()
+        refs = {node: s.catalog.remote() for node, s in stores.items()}
+        catalogs = {}
+        for node, ref in refs.items():
+            try:
+                catalogs[node] = ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # its node is going: its copies do not count
+        manifests: dict[int, Manifest] = {}
+        for catalog in catalogs.values():
+            for step, entry in catalog.items():
+                if entry["manifest"] and step not in manifests:
+                    try:
+                        manifest = Manifest.from_json(entry["manifest"])
+                    except ValueError:
+                        continue
+                    if manifest.job.get("id") == job["id"]:
+                        manifests[step] = manifest
+        out = []
+        for step, manifest in manifests.items():
+            holders = {name: [node for node, cat in catalogs.items()
+                              if cat.get(step, {}).get("files", {}).get(name) == f.size]
+                       for name, f in manifest.files.items()}
+            if all(holders.values()):
+                out.append(CheckpointInfo(step, manifest.world_size, manifest.bytes, "memory",
+                                          f"memory:{step_name(step)}", manifest.created, manifest=manifest,
+                                          holders=holders))
+        return out
+
+    def end_memory(self, remove: bool, keep: list[int], timeout_s: float = 60.0) -> None:
+        """The run ends: a finished run's memory tier goes (its last checkpoint is durable); one
+        that stopped otherwise keeps its newest steps for a re-run to resume from."""
+        stores = self._live_stores()
+        refs = [s.remove.remote() if remove else s.prune.remote(keep) for s in stores.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def damage_memory(self, step: int, name: str, nodes: list[str] | None = None) -> list[str]:
+        """Chaos: flip bytes in the copies of a file on `nodes` (default: every node holding it)."""
+        stores = {n: s for n, s in self._live_stores().items() if nodes is None or n in nodes}
+        return [ray.get(s.damage.remote(step, name), timeout=60) for n, s in stores.items()
+                if name in ray.get(s.catalog.remote(), timeout=60).get(step, {}).get("files", {})]
+
+    def drop_memory(self, step: int, node: str) -> list[str]:
+        """Chaos: a node's memory-tier copies of a step are lost."""
+        return ray.get(self.stores[node].drop.remote(step), timeout=60)
 
     # ---- reserving capacity ----------------------------------------------------------------
 
@@ -213,7 +239,7 @@ class WorkerGroup:
 
     # ---- forming the world -----------------------------------------------------------------
 
-    def form(self, world_size: int, plan: BatchPlan, load_universal: bool) -> tuple[list[RankOutcome], dict]:
+    def form(self, world_size: int, plan: BatchPlan) -> tuple[list[RankOutcome], dict]:
         """Make a world of `world_size`: survivors keep their order, standby workers join after."""
         # Joining workers take ranks grouped by node: co-located ranks are neighbours (the order
         # ring collectives favour), and a node's ranks are predictable for chaos at named ranks.
@@ -227,7 +253,7 @@ class WorkerGroup:
         assert len(self.active) == world_size, (len(self.active), world_size)
         master = self.active[0]
         port = ray.get(master.actor.free_port.remote())
-        refs = [m.actor.join.remote(rank, world_size, master.info["ip"], port, plan.__dict__, load_universal)
+        refs = [m.actor.join.remote(rank, world_size, master.info["ip"], port, plan.__dict__)
                 for rank, m in enumerate(self.active)]
         outcomes, values = self._gather(refs)
         for m, v in zip(self.active, values):
@@ -248,21 +274,37 @@ class WorkerGroup:
         return self._gather(refs, hang_timeout_s)
 
     def save(self, step: int, data_position: dict | None = None) -> tuple[list[RankOutcome], list]:
-        return self._gather([m.actor.save.remote(step, data_position) for m in self.active])
+        """Every rank stages its part of `step` into its node's memory tier (a collective)."""
+        self.ensure_stores()
+        return self._gather([m.actor.save.remote(step, data_position, self.memory_base) for m in self.active])
 
-    def load(self, ckpt: CheckpointInfo) -> tuple[list[RankOutcome], list]:
-        """Every rank loads `ckpt`: a memory-tier one is served by the committer, a remote one
-        is downloaded by each rank, a shared directory is read in place."""
-        if ckpt.tier == "memory":
-            holder = self.replica if ckpt.copy == "replica" else self.committer
-            files = holder.package.remote(ckpt.path, ckpt.load_tag)
-            refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag, "memory", files) for m in self.active]
-        elif Storage(ckpt.root).is_local:
-            refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag) for m in self.active]
-        else:
-            refs = [m.actor.load.remote(ckpt.path, ckpt.load_tag, "storage", root=ckpt.root, name=ckpt.name)
-                    for m in self.active]
-        return self._gather(refs)
+    def persist(self, step: int) -> list:
+        """Every rank finishes writing its files of `step` and copies them to the next node's
+        store, beside training (its io thread); returns the calls' refs (their reports)."""
+        ring = self.ring()
+        return [m.actor.persist.remote(step, self.stores.get(ring.get(m.node_id)), ring.get(m.node_id))
+                for m in self.active]
+
+    def upload(self, step: int, location: str, members: list[Member]) -> list:
+        """The ranks that saved `step` (`members`, whatever the world is now) upload their files
+        of it to durable storage, all in parallel (each in its upload thread); returns the refs."""
+        return [m.actor.upload.remote(step, location) for m in members]
+
+    def load(self, ckpt: CheckpointInfo, durable: str | None) -> tuple[list[RankOutcome], list]:
+        """Every rank loads `ckpt` from the nearest good copy of each file it needs (its node's
+        memory, a peer's, durable storage `durable`), resharded when the world size changed. In
+        two phases: the files are found and verified first, with no collective, so a step with
+        no good copy of some file is given up by every rank before any of them waits on others."""
+        self.ensure_stores()
+        peers = {name: [(node, self.stores[node]) for node in nodes if node in self.stores]
+                 for name, nodes in ckpt.holders.items()}
+        spec = {"step": ckpt.step, "manifest": ckpt.manifest.to_json(), "memory_base": self.memory_base,
+                "peers": peers, "durable": durable}
+        outcomes, values = self._gather([m.actor.prepare_load.remote(spec) for m in self.active])
+        if any(o.kind != "ok" for o in outcomes):
+            return outcomes, values
+        outcomes, loaded = self._gather([m.actor.load.remote(ckpt.step) for m in self.active])
+        return outcomes, [{**v, **(lv or {})} for v, lv in zip(values, loaded)]
 
     def _gather(self, refs: list, hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
@@ -359,14 +401,13 @@ class WorkerGroup:
                 self.demand(0)  # the autoscaler may scale the run's nodes down again
             except Exception as exc:  # the cluster is going away: nothing left to withdraw from
                 print(f"airay: could not withdraw the autoscaler request: {exc}")
-        actors = [m.actor for m in self.active + self.pending + self.standby] + [self.committer]
-        actors += [self.replica] if self.replica is not None else []
+        actors = [m.actor for m in self.active + self.pending + self.standby] + list(self.stores.values())
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        self.active, self.pending, self.standby = [], [], []
+        self.active, self.pending, self.standby, self.stores = [], [], [], {}
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
@@ -380,12 +421,6 @@ class WorkerGroup:
             if all(table.get(i, {}).get("state", "REMOVED") == "REMOVED" for i in pg_ids):
                 break
             time.sleep(0.1)
-
-
-def node_alive(node_id: str | None) -> bool:
-    if node_id is None:
-        return False
-    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
 def nodes_died(nodes: set[str | None], suspects: set[str | None], wait_s: float) -> set[str | None]:

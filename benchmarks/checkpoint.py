@@ -1,27 +1,29 @@
-"""Checkpoint cost: time the step loop is blocked per save, and recovery from each tier.
+"""Checkpoint cost at model sizes up to ~100M parameters: what a save holds the step loop, what it
+costs in memory where, and how fast a new world reloads it.
 
-One invocation, one model (tiny GPT with larger dims: about 25M parameters, ~300 MB of model and
-AdamW state at the defaults), durable storage on a real S3-compatible server (moto, started here):
+Per model size (the tiny GPT at d_model 256, 512 and 1024, 8 layers; 6.5M, 25M and 100M
+parameters), one airay run on a local cluster of 4 one-CPU nodes and a driver node (the head,
+0 CPUs): 4 workers, ZeRO-2, AdamW, a memory-tier save every 2 steps, a durable one every 4 (to
+local disk), a worker killed at step 7 (the world shrinks to 3 and reloads step 6, resharded) and
+its replacement grows the world back to 4 (resharded again). Reported per size:
 
-  blocked per save   airay: `checkpoint_saved.blocking_s` of a real run (the ranks' save call:
-                     buffers and module state copied to host memory, parameter and optimizer
-                     copies queued) plus the `checkpoint_wait_s` of the step after it (the wait
-                     of its optimizer step for those copies, which run beside its forward and
-                     backward); writing the files, assembling, the manifest and the upload go
-                     on in the background; `previous_commit_wait_s` is reported beside it.
-                     Saves with no step after them (the run's last) are left out. Beside it, the
-                     step time of the steps that overlap a copy against the other steps of the
-                     same runs (step 0 and replayed steps left out),
-                     against DeepSpeed's synchronous `save_checkpoint` of the same
-                     state in this process: to a local directory and then uploaded to the same
-                     S3 server before training may go on (what a synchronous checkpoint to S3
-                     costs), and to the local directory alone (no upload).
-  recovery load      airay: `checkpoint_loaded.load_s` (fetch + DeepSpeed load) when a killed
-                     worker's world reloads from the memory tier, against a re-run of the same
-                     job on a driver without the memory tier, which loads from S3.
+  bytes              the checkpoint (model and optimizer state, all ranks' files)
+  driver-node RSS    peak RSS of the driver process and of every Ray process on the driver's node
+                     (GCS, raylet and its workers: none trains there), sampled every 0.2 s
+  worker RSS         peak RSS of each training worker over the run, against its footprint
+                     before the first save (training without checkpoints); the worst ratio
+  held per save      blocking_s + previous_commit_wait_s + the next step's checkpoint_wait_s
+                     (`held_s` of checkpoint_saved), median, against DeepSpeed's synchronous
+                     save_checkpoint of the same state (same model, ZeRO-2, 4 gloo processes,
+                     no Ray) to a local directory, timed on the slowest rank
+  commit to memory   the ranks' write + peer copy of a memory save (slowest rank), and the
+                     shard bytes per second it commits, aggregated over the ranks
+  reshard reload     checkpoint_loaded.load_s of the shrink (4 -> 3), from the memory tier
+  recovery_s         detection of the kill to the first step at the new size
 
-Medians over --repeats; ratios. Usage: python benchmarks/checkpoint.py [--repeats 3] [--reduced] [--json OUT]
-  --reduced: a small model (~5 MiB of state) and one repeat, so the suite's reduced run stays short
+Every step is CPU work (no forward_delay_s sleep). Usage:
+  python benchmarks/checkpoint.py [--sizes 256,512,1024] [--json OUT] [--reduced]
+  --reduced: d_model 64 only (what the suite's reduced run uses)
 """
 
 from __future__ import annotations
@@ -29,73 +31,75 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODEL = {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 32}
-REDUCED_MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 32}
-DEEPSPEED = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
+WORKERS, LAYERS, SEQ = 4, 8, 32
+DEEPSPEED = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}
 
 
-def job(run_dir: Path, max_steps: int, checkpoint: dict, chaos: list, model: dict) -> dict:
-    return {"name": "ckpt-bench", "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": model},
-            "loss_fn": "airay.models.tiny_gpt:loss", "deepspeed": DEEPSPEED,
-            "data": {"kwargs": {"seq_len": model["seq_len"]}},
-            "global_batch_size": 2, "micro_batch_size": 2, "max_steps": max_steps, "steps_per_round": 2,
-            "scaling": {"min_workers": 1, "max_workers": 2}, "checkpoint": checkpoint, "chaos": chaos,
-            "timeouts": {"capacity_wait_s": 120}, "run_dir": str(run_dir)}
+def model_kwargs(d_model: int) -> dict:
+    return {"d_model": d_model, "n_layers": LAYERS, "n_heads": 8, "seq_len": SEQ}
 
 
-def synchronous_saves(repeats: int, uri: str, work: Path, model_kwargs: dict) -> dict:
-    """DeepSpeed's own synchronous save of the same model and optimizer state, in this process."""
-    import deepspeed
-    import torch
-
-    from airay.models import tiny_gpt
-    from airay.storage import Storage
-    from airay.worker import free_port
-    from airay.worker.deepspeed_compat import disable_cpu_shm_comm as _disable_cpu_shm_comm
-    from airay.worker.engine import engine_config
-    from airay.policy import BatchPlan
-
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())})
-    _disable_cpu_shm_comm()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    model = tiny_gpt.build(**model_kwargs)
-    cfg = engine_config(DEEPSPEED, BatchPlan(1, 2, 2, 1), on_cpu=True, load_universal=False)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    batch = {"tokens": torch.randint(0, 256, (2, model_kwargs["seq_len"] + 1))}
-    engine.backward(tiny_gpt.loss(engine, batch))
-    engine.step()  # the optimizer state exists, as in training
-    storage = Storage(uri)
-    local, upload = [], []
-    for i in range(repeats):
-        d = work / f"sync{i}"
-        t0 = time.perf_counter()
-        engine.save_checkpoint(str(d), tag="native", save_latest=False)
-        t1 = time.perf_counter()
-        files = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
-        nbytes = storage.upload(d, f"sync/{i}", files)
-        t2 = time.perf_counter()
-        local.append(t1 - t0)
-        upload.append(t2 - t0)
-        shutil.rmtree(d)
-    engine.destroy()
-    import deepspeed.comm as dist
-
-    dist.destroy_process_group()
-    return {"local_dir_s": local, "local_dir_then_s3_s": upload, "bytes": nbytes}
+def job(run_dir: Path, d_model: int, work: Path) -> dict:
+    return {"name": f"ckpt-bench-{d_model}", "model": {"factory": "airay.models.tiny_gpt:build",
+                                                      "kwargs": model_kwargs(d_model)},
+            "loss_fn": "airay.models.tiny_gpt:loss", "deepspeed": DEEPSPEED, "data": {"kwargs": {"seq_len": SEQ}},
+            "global_batch_size": 4, "micro_batch_size": 1, "max_steps": 16, "steps_per_round": 2,
+            "scaling": {"min_workers": 3, "max_workers": WORKERS},
+            "checkpoint": {"path": str(work / "durable"), "every_n_steps": 4, "fast_every_n_steps": 2, "keep_last": 2,
+                           "memory_path": str(work / "memory")},
+            "chaos": [{"fault": "kill_worker", "at_step": 7, "rank": 1}],
+            "timeouts": {"capacity_wait_s": 300}, "run_dir": str(run_dir)}
 
 
-def airay_runs(repeats: int, bucket_uri, work: Path, model: dict) -> dict:
+class RssSampler:
+    """Peak RSS of processes, sampled in a thread: the driver and the driver node's Ray processes
+    (by pid, found anew each sample), and the training workers (by pid, once known)."""
+
+    def __init__(self, driver_node_pids, worker_pids):
+        self.driver_node_pids, self.worker_pids = driver_node_pids, worker_pids
+        self.driver_node: dict[int, int] = {}
+        self.workers: dict[int, list[tuple[float, int]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        import psutil
+
+        while not self._stop.wait(0.2):
+            now = time.time()
+            for pid in self.driver_node_pids():
+                try:
+                    self.driver_node[pid] = max(self.driver_node.get(pid, 0), psutil.Process(pid).memory_info().rss)
+                except psutil.Error:
+                    pass
+            for pid in self.worker_pids():
+                try:
+                    self.workers.setdefault(pid, []).append((now, psutil.Process(pid).memory_info().rss))
+                except psutil.Error:
+                    pass
+
+
+def airay_run(d_model: int, work: Path) -> dict:
+    import psutil
     import ray
 
     from airay import JobConfig, fit
@@ -103,107 +107,138 @@ def airay_runs(repeats: int, bucket_uri, work: Path, model: dict) -> dict:
     from airay.events import read_jsonl
     from airay.local_cluster import LocalCluster
 
-    blocking, total, memory_load, durable_load, memory_fetch, durable_fetch, waited = [], [], [], [], [], [], []
-    save_call, copy_wait, overlap_steps, other_steps = [], [], [], []
-    nbytes = 0
-    lc = LocalCluster(LocalClusterSpec(local_nodes=2, cpus_per_node=1, object_store_memory=1024**3))
+    run = work / "run"
+    lc = LocalCluster(LocalClusterSpec(local_nodes=WORKERS, cpus_per_node=1, object_store_memory=256 * 1024**2))
     ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
+    head = lc.cluster.head_node
+    head_raylet = psutil.Process(head.all_processes["raylet"][0].process.pid)
+    gcs = [info.process.pid for info in head.all_processes.get("gcs_server", [])]
+
+    def driver_node_pids():
+        try:
+            return [os.getpid(), *gcs, head_raylet.pid, *(c.pid for c in head_raylet.children(recursive=True))]
+        except psutil.Error:
+            return [os.getpid(), *gcs]
+
+    def worker_pids():
+        events = run / "events.jsonl"
+        if not events.exists():
+            return []
+        return sorted({w["pid"] for e in read_jsonl(events) if e["type"] == "world_formed" for w in e["workers"]})
+
     try:
-        for i in range(repeats):
-            run, mem = work / f"run{i}", work / f"mem{i}"
-            ckpt = {"path": bucket_uri(f"bench{i}"), "every_n_steps": 4, "fast_every_n_steps": 2, "keep_last": 2,
-                    "memory_path": str(mem)}
-            # A kill at step 7: the memory tier has step 6 (S3 has step 4).
-            first = fit(JobConfig.from_dict(job(run, 8, ckpt, [{"fault": "kill_worker", "at_step": 7, "rank": 1}], model)),
-                        echo=False)
-            assert first.status == "finished", first.error
-            ev = read_jsonl(run / "events.jsonl")
-            saves = [e for e in ev if e["type"] == "checkpoint_saved"]
-            records, first_record = read_jsonl(run / "metrics.jsonl"), {}
-            for m in records:  # a replayed step's later record is left out
-                first_record.setdefault(m["step"], m)
-            followed = [e for e in saves if e["step"] in first_record]
-            for e in followed:
-                # The largest wait any record of the next step saw (a replay after a reload included).
-                wait = max(m.get("checkpoint_wait_s", 0.0) for m in records if m["step"] == e["step"])
-                blocking.append(e["blocking_s"] + wait)
-                save_call.append(e["blocking_s"])
-                copy_wait.append(wait)
-            overlapping = {e["step"] for e in followed}
-            for step, m in first_record.items():
-                if step > 0:
-                    (overlap_steps if step in overlapping else other_steps).append(m["step_time_s"])
-            waited += [e["previous_commit_wait_s"] for e in saves]
-            total += [e["total_s"] for e in saves if e["tier"] == "durable"]
-            nbytes = saves[-1]["bytes"]
-            loaded = [e for e in ev if e["type"] == "checkpoint_loaded"]
-            assert loaded[-1]["tier"] == "memory", loaded
-            memory_load.append(loaded[-1]["load_s"])
-            memory_fetch.append(loaded[-1]["fetch_s"])
-            shutil.rmtree(mem)  # a new driver node: only S3 is left
-            second = fit(JobConfig.from_dict(job(run, 9, ckpt, [], model)), echo=False)
-            assert second.status == "finished", second.error
-            loaded = [e for e in read_jsonl(run / "events.jsonl") if e["type"] == "checkpoint_loaded"]
-            assert loaded[-1]["tier"] == "durable", loaded
-            durable_load.append(loaded[-1]["load_s"])
-            durable_fetch.append(loaded[-1]["fetch_s"])
+        with RssSampler(driver_node_pids, worker_pids) as rss:
+            result = fit(JobConfig.from_dict(job(run, d_model, work)), echo=False)
     finally:
         ray.shutdown()
         lc.shutdown()
-    return {"blocking_s": blocking, "save_call_s": save_call, "copy_wait_s": copy_wait,
-            "step_s_overlapping_copy": overlap_steps, "step_s_other": other_steps, "previous_commit_wait_s": waited, "durable_total_s": total, "memory_load_s": memory_load,
-            "durable_load_s": durable_load, "memory_fetch_s": memory_fetch, "durable_fetch_s": durable_fetch,
-            "bytes": nbytes}
+    assert result.status == "finished", result.error
+    events = read_jsonl(run / "events.jsonl")
+    saves = [e for e in events if e["type"] == "checkpoint_saved" and e["tier"] == "memory"]
+    first_save = min(e["ts"] - e["total_s"] for e in saves)
+    ratios = []
+    for samples in rss.workers.values():
+        before = [r for t, r in samples if t < first_save]
+        if before:
+            ratios.append(max(r for _, r in samples) / max(before))
+    loaded = [e for e in events if e["type"] == "checkpoint_loaded" and e["resharded"]]
+    shrink = next(e for e in events if e["type"] == "resize_finished" and e["reason"] == "failure")
+    commit = [e["write_s"] + e["copy_s"] for e in saves]
+    return {
+        "bytes": saves[-1]["bytes"], "saves": len(saves),
+        "driver_node_peak_rss": sum(rss.driver_node.values()), "driver_peak_rss": rss.driver_node.get(os.getpid(), 0),
+        "driver_node_processes": len(rss.driver_node),
+        "worker_peak_rss": max(max(r for _, r in s) for s in rss.workers.values()),
+        "worker_rss_vs_footprint": max(ratios) if ratios else None,
+        "held_s": [e["held_s"] for e in saves], "commit_s": commit,
+        "commit_gb_per_s": statistics.median(e["bytes"] / c / 1e9 for e, c in zip(saves, commit)),
+        "reshard_load_s": [e["load_s"] for e in loaded], "reshard_copies": [e["copies"] for e in loaded],
+        "recovery_s": shrink["recovery_s"], "world_sizes": result.world_sizes,
+    }
+
+
+def _sync_rank(rank: int, world: int, port: int, d_model: int, out: str, results) -> None:
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    from airay.models import tiny_gpt
+    from airay.policy import plan_batch
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm
+    from airay.worker.engine import backward_micro_batch, build_engine
+
+    torch.set_num_threads(1)
+    disable_cpu_shm_comm()
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"})
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    plan = plan_batch(4, 1, world)
+    engine = build_engine(tiny_gpt.build(seed=0, **model_kwargs(d_model)), DEEPSPEED, plan, "cpu")
+    batch = {"tokens": torch.randint(0, 256, (1, SEQ + 1))}
+    backward_micro_batch(engine, tiny_gpt.loss(engine, batch), 1, plan)  # the optimizer state exists
+    times = []
+    for i in range(2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(f"{out}/sync{i}", tag="native", save_latest=False)
+        times.append(time.perf_counter() - t0)
+    results[rank] = times
+
+
+def synchronous_save_s(d_model: int, work: Path) -> float:
+    """DeepSpeed's own synchronous save of the same state (ZeRO-2, 4 ranks) to a local directory:
+    the slowest rank's time, the better of two saves."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_sync_rank, args=(WORKERS, port, d_model, str(work / "sync"), results), nprocs=WORKERS)
+    return min(max(results[r][i] for r in range(WORKERS)) for i in range(2))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--reduced", action="store_true", help="small model, one repeat")
+    ap.add_argument("--sizes", default="256,512,1024", help="d_model of each size")
+    ap.add_argument("--reduced", action="store_true", help="d_model 64 only")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
-    model = REDUCED_MODEL if args.reduced else MODEL
-    if args.reduced:
-        args.repeats = 1
-    from tests.s3server import s3_server
-
+    sizes = [64] if args.reduced else [int(s) for s in args.sizes.split(",")]
     med = statistics.median
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as shm, \
-            tempfile.TemporaryDirectory() as disk, s3_server() as bucket_uri:
-        sync = synchronous_saves(args.repeats, bucket_uri("sync"), Path(disk), model)
-        runs = airay_runs(args.repeats, bucket_uri, Path(shm), model)
-    out = {
-        "model": model, "state_bytes": runs["bytes"], "repeats": args.repeats,
-        "airay_blocking_s": med(runs["blocking_s"]), "save_call_s": med(runs["save_call_s"]),
-        "copy_wait_s": med(runs["copy_wait_s"]),
-        "step_s_overlapping_copy": med(runs["step_s_overlapping_copy"]), "step_s_other": med(runs["step_s_other"]),
-        "previous_commit_wait_s": med(runs["previous_commit_wait_s"]),
-        "previous_commit_wait_max_s": max(runs["previous_commit_wait_s"]), "airay_durable_total_s": med(runs["durable_total_s"]),
-        "sync_local_dir_s": med(sync["local_dir_s"]), "sync_local_dir_then_s3_s": med(sync["local_dir_then_s3_s"]),
-        "memory_recovery_load_s": med(runs["memory_load_s"]), "durable_recovery_load_s": med(runs["durable_load_s"]),
-        "memory_fetch_s": med(runs["memory_fetch_s"]), "durable_fetch_s": med(runs["durable_fetch_s"]),
-        "samples": {**runs, **{f"sync_{k}": v for k, v in sync.items()}},
-    }
-    out["blocking_vs_sync_s3"] = out["airay_blocking_s"] / out["sync_local_dir_then_s3_s"]
-    out["blocking_vs_sync_local"] = out["airay_blocking_s"] / out["sync_local_dir_s"]
-    out["step_inflation_overlapping_copy"] = out["step_s_overlapping_copy"] / out["step_s_other"]
-    out["recovery_speedup_memory_vs_s3"] = out["durable_recovery_load_s"] / out["memory_recovery_load_s"]
-    print(f"model {model}, checkpoint {out['state_bytes'] / 2**20:.0f} MiB, medians of {args.repeats}")
-    print(f"blocked per save, airay async (save call + copy wait)       {out['airay_blocking_s']:.3f} s "
-          f"(background commit to S3 done after {out['airay_durable_total_s']:.2f} s)")
-    print(f"  = save call {out['save_call_s']:.3f} s "
-          f" + next optimizer step's wait for the copies {out['copy_wait_s']:.3f} s")
-    print(f"  and waiting for the previous save's commit before it        {out['previous_commit_wait_s']:.3f} s "
-          f"(max {out['previous_commit_wait_max_s']:.3f} s)")
-    print(f"step time, steps overlapping a copy {out['step_s_overlapping_copy']:.3f} s, other steps {out['step_s_other']:.3f} s "
-          f"(x{out['step_inflation_overlapping_copy']:.2f})")
-    print(f"blocked per save, DeepSpeed sync save_checkpoint + S3 upload {out['sync_local_dir_then_s3_s']:.3f} s")
-    print(f"blocked per save, DeepSpeed sync save_checkpoint, local dir  {out['sync_local_dir_s']:.3f} s")
-    print(f"blocking ratio async / sync-to-S3   {out['blocking_vs_sync_s3']:.3f}  (target <= 0.10)")
-    print(f"blocking ratio async / sync-local   {out['blocking_vs_sync_local']:.3f}")
-    print(f"recovery load from memory tier {out['memory_recovery_load_s']:.3f} s (fetch {out['memory_fetch_s']:.3f} s), "
-          f"from S3 {out['durable_recovery_load_s']:.3f} s (fetch {out['durable_fetch_s']:.3f} s)")
-    print(f"recovery speedup memory vs S3   {out['recovery_speedup_memory_vs_s3']:.2f}x  (target >= 3x)")
+    rows = []
+    for d_model in sizes:
+        with tempfile.TemporaryDirectory() as disk:
+            sync = synchronous_save_s(d_model, Path(disk))
+        with tempfile.TemporaryDirectory() as disk:
+            r = airay_run(d_model, Path(disk))
+        from airay.models import tiny_gpt
+        import torch
+
+        with torch.device("meta"):
+            params = sum(p.numel() for p in tiny_gpt.build(**model_kwargs(d_model)).parameters())
+        row = {"d_model": d_model, "parameters": params, **r, "sync_save_s": sync,
+               "held_median_s": med(r["held_s"]), "held_vs_sync": med(r["held_s"]) / sync,
+               "commit_median_s": med(r["commit_s"]), "reshard_load_median_s": med(r["reshard_load_s"])}
+        rows.append(row)
+        print(f"d_model {d_model} ({params / 1e6:.1f}M parameters): checkpoint {row['bytes'] / 2**20:.0f} MiB; "
+              f"driver-node peak RSS {row['driver_node_peak_rss'] / 2**20:.0f} MiB over {row['driver_node_processes']} "
+              f"processes (driver {row['driver_peak_rss'] / 2**20:.0f} MiB); worker peak RSS "
+              f"{row['worker_peak_rss'] / 2**20:.0f} MiB, x{row['worker_rss_vs_footprint']:.2f} its footprint; "
+              f"held per save {row['held_median_s']:.3f} s vs DeepSpeed sync save {sync:.3f} s "
+              f"(ratio {row['held_vs_sync']:.3f}); commit to memory {row['commit_median_s']:.2f} s "
+              f"({row['commit_gb_per_s']:.2f} GB/s); reshard reload {row['reshard_load_median_s']:.2f} s; "
+              f"recovery_s {row['recovery_s']:.2f}; worlds {row['world_sizes']}", flush=True)
+    flat = max(r["driver_node_peak_rss"] for r in rows) / min(r["driver_node_peak_rss"] for r in rows)
+    out = {"sizes": rows, "workers": WORKERS, "driver_node_rss_growth": flat,
+           "worst_worker_rss_vs_footprint": max(r["worker_rss_vs_footprint"] for r in rows),
+           "min_commit_gb_per_s": min(r["commit_gb_per_s"] for r in rows),
+           "largest_recovery_s": rows[-1]["recovery_s"], "worst_held_vs_sync": max(r["held_vs_sync"] for r in rows)}
+    print(f"driver-node peak RSS, largest / smallest size: x{flat:.2f} (target <= 1.5)")
+    print(f"worker peak RSS / footprint, worst: x{out['worst_worker_rss_vs_footprint']:.2f} (target <= 1.5)")
+    print(f"commit to memory, slowest size: {out['min_commit_gb_per_s']:.2f} GB/s (target >= 1)")
+    print(f"recovery_s at the largest size: {out['largest_recovery_s']:.2f} s (target < 10)")
+    print(f"held per save / DeepSpeed sync save, worst size: {out['worst_held_vs_sync']:.3f} (target <= 0.10)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0

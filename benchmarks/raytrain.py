@@ -112,6 +112,21 @@ def window_goodput(measured: dict) -> float:
 
 # ---- Ray Train -------------------------------------------------------------------------------------
 
+def convert_to_universal(path: Path) -> None:
+    """DeepSpeed's universal checkpoint of `path/native` in `path/universal`: how a Ray Train user
+    loads ZeRO partitions at another world size (in one process, as ds_to_universal runs)."""
+    import contextlib
+    import io
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = Namespace(input_folder=str(path / "native"), output_folder=str(path / "universal"), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(args)
+
+
 def ray_train_loop(config: dict) -> None:
     """One Ray Train worker: DeepSpeed on the process group Ray Train made, resumed from its checkpoint."""
     import deepspeed
@@ -119,7 +134,6 @@ def ray_train_loop(config: dict) -> None:
     import torch
     import torch.distributed as tdist
 
-    from airay.checkpoint import convert_to_universal
     from airay.data.source import SyntheticSource
     from airay.models.tiny_gpt import build, loss, synthetic_sample
     from airay.policy import plan_batch

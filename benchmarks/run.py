@@ -37,7 +37,7 @@ FULL = {
     "raytrain": ["--repeats", "3", "--steps", "30", "--fault-step", "12"],
     # Long on purpose (2000 steps, ~9 min for airay, ~12 for Ray Train): startup must not dominate.
     "goodput": ["--faults", "none", "--schedule-steps", "2000", "--every", "500", "--schedule-ckpt-every", "10"],
-    "checkpoint": ["--repeats", "3"],
+    "checkpoint": ["--sizes", "256,512,1024"],
     "data": ["--repeats", "3"],
 }
 SCRIPT = {"goodput": "raytrain"}  # sections run by another section's script
@@ -203,38 +203,29 @@ def render_goodput(rt: dict) -> list[str]:
 
 
 def render_checkpoint(ck: dict) -> list[str]:
-    """Blocking per save and recovery load per tier (benchmarks/checkpoint.py)."""
-    sm = ck["samples"]
-    mib = ck["state_bytes"] / 2**20
-    return [f"tiny GPT {ck['model']}, {mib:.0f} MiB of model and AdamW state, 2 workers, durable tier on a "
-            "real S3-compatible server (moto). Baselines: DeepSpeed's synchronous save_checkpoint of the same "
-            "state to a local directory, and the same then uploaded to S3, in the same invocation.", "",
-            "| | median s | spread | ratio |", "| --- | --- | --- | --- |",
-            f"| DeepSpeed sync save, local dir (baseline) | {ck['sync_local_dir_s']:.3f} | "
-            f"{_spread(sm['sync_local_dir_s'])} | 1 |",
-            f"| DeepSpeed sync save + S3 upload | {ck['sync_local_dir_then_s3_s']:.3f} | "
-            f"{_spread(sm['sync_local_dir_then_s3_s'])} | |",
-            f"| airay blocked per save (save call + the next optimizer step's wait for the host copies; write, "
-            f"commit, upload in the background) | "
-            f"{ck['airay_blocking_s']:.3f} | {_spread(sm['blocking_s'])} | vs local **{ck['blocking_vs_sync_local']:.3f}**, "
-            f"vs local+S3 **{ck['blocking_vs_sync_s3']:.3f}** (target ≤ 0.10) |",
-            *([f"| of which the save call (blocking_s) | {ck['save_call_s']:.3f} | {_spread(sm['save_call_s'])} | |",
-               f"| of which the next optimizer step's wait (checkpoint_wait_s) | {ck['copy_wait_s']:.3f} | "
-               f"{_spread(sm['copy_wait_s'])} | |",
-               f"| step time, steps overlapping a host copy | {ck['step_s_overlapping_copy']:.3f} | "
-               f"{_spread(sm['step_s_overlapping_copy'])} | x{ck['step_inflation_overlapping_copy']:.2f} vs other steps |",
-               f"| step time, other steps (baseline) | {ck['step_s_other']:.3f} | {_spread(sm['step_s_other'])} | 1 |"]
-              if "copy_wait_s" in ck else []),
-            *([f"| airay waiting for the previous save's commit first (previous_commit_wait_s) | "
-               f"{ck['previous_commit_wait_s']:.3f} | {_spread(sm['previous_commit_wait_s'])} | |"]
-              if "previous_commit_wait_s" in ck else []),
-            f"| airay background commit to S3 done (total_s) | {ck['airay_durable_total_s']:.3f} | "
-            f"{_spread(sm['durable_total_s'])} | |",
-            f"| recovery load from S3 (baseline) | {ck['durable_recovery_load_s']:.3f} | "
-            f"{_spread(sm['durable_load_s'])} | 1 |",
-            f"| recovery load from the memory tier | {ck['memory_recovery_load_s']:.3f} | "
-            f"{_spread(sm['memory_load_s'])} | S3 / memory **{ck['recovery_speedup_memory_vs_s3']:.2f}x** "
-            "(target ≥ 3x) |"]
+    """Per model size: memory where it is spent, what a save holds, commit and reload (benchmarks/checkpoint.py)."""
+    mib = 2**20
+    rows = ck["sizes"]
+    return [f"The tiny GPT at each d_model, 8 layers; {ck['workers']} workers (one-CPU nodes of a local cluster, "
+            "the driver on a head of its own), ZeRO-2, AdamW, a memory-tier save every 2 steps and a durable "
+            "one every 4 (local disk), a worker killed at step 7 (shrink to 3, resharded reload) and regrown. "
+            "No sleep: every step is CPU work. Baseline: DeepSpeed's synchronous save_checkpoint of the same "
+            "state (ZeRO-2, 4 gloo processes) to a local directory, slowest rank, in the same invocation.", "",
+            "| d_model | parameters | checkpoint MiB | driver-node peak RSS MiB | worker peak RSS / footprint "
+            "| held per save s | DeepSpeed sync save s | held / sync | commit to memory s | GB/s | reshard reload s "
+            "| recovery_s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *[f"| {r['d_model']} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / mib:.0f} | "
+              f"{r['driver_node_peak_rss'] / mib:.0f} | {r['worker_rss_vs_footprint']:.2f} | {r['held_median_s']:.3f} | "
+              f"{r['sync_save_s']:.3f} | {r['held_vs_sync']:.3f} | {r['commit_median_s']:.2f} | "
+              f"{r['commit_gb_per_s']:.2f} | {r['reshard_load_median_s']:.2f} | {r['recovery_s']:.2f} |" for r in rows],
+            "",
+            f"Driver-node peak RSS, largest / smallest size: **x{ck['driver_node_rss_growth']:.2f}** (target ≤ 1.5); "
+            f"worker peak RSS / footprint, worst: **x{ck['worst_worker_rss_vs_footprint']:.2f}** (target ≤ 1.5); "
+            f"commit to memory, slowest: **{ck['min_commit_gb_per_s']:.2f} GB/s** (target ≥ 1); recovery at the "
+            f"largest size: **{ck['largest_recovery_s']:.2f} s** (target < 10); held per save / sync save, worst: "
+            f"**{ck['worst_held_vs_sync']:.3f}** (target ≤ 0.10). Held per save is blocking_s + "
+            "previous_commit_wait_s + the next step's checkpoint_wait_s (`held_s`)."]
 
 
 def render_gpu(g: dict) -> list[str]:
@@ -284,7 +275,7 @@ RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md'
     "decision": ("Controller decision path at scale", render_decision),
     "raytrain": ("Recovery: airay vs Ray Train's elastic TorchTrainer", render_raytrain),
     "goodput": ("Goodput under a failure schedule: airay vs Ray Train", render_goodput),
-    "checkpoint": ("Checkpoint: blocking per save and recovery per tier", render_checkpoint),
+    "checkpoint": ("Checkpoint: memory, held time per save, commit and reload per model size", render_checkpoint),
     "data": ("Data path: airay's Ray Data stream vs a plain torch DataLoader", render_data),
     "simulate": ("Simulated goodput on large fleets (`airay simulate`)", render_simulate),
     "gpu": ("GPU: airay's CUDA/NCCL path, throughput and MFU against plain DeepSpeed", render_gpu),

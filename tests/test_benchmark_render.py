@@ -28,26 +28,20 @@ def test_goodput_section_reports_both_sides_lost_time_and_the_simulator():
     assert "**not met**" in text
 
 
-def test_checkpoint_section_has_both_baselines_and_the_ratios():
+def test_checkpoint_section_has_a_row_per_size_and_the_targets():
     from benchmarks.run import render_checkpoint
 
-    ck = {"model": {"d_model": 512}, "state_bytes": 300 * 2**20, "airay_blocking_s": 0.05,
-          "airay_durable_total_s": 12.0, "sync_local_dir_s": 0.5, "sync_local_dir_then_s3_s": 8.0,
-          "memory_recovery_load_s": 3.0, "durable_recovery_load_s": 21.0, "blocking_vs_sync_local": 0.1,
-          "blocking_vs_sync_s3": 0.00625, "recovery_speedup_memory_vs_s3": 7.0,
-          "samples": {"blocking_s": [0.04, 0.05, 0.07], "sync_local_dir_s": [0.5], "sync_local_dir_then_s3_s": [8.0],
-                      "durable_total_s": [12.0], "durable_load_s": [21.0], "memory_load_s": [3.0]}}
+    row = {"d_model": 256, "parameters": 6.5e6, "bytes": 80 * 2**20, "driver_node_peak_rss": 700 * 2**20,
+           "worker_rss_vs_footprint": 1.2, "held_median_s": 0.02, "sync_save_s": 0.5, "held_vs_sync": 0.04,
+           "commit_median_s": 0.1, "commit_gb_per_s": 0.8, "reshard_load_median_s": 0.3, "recovery_s": 1.5}
+    ck = {"sizes": [row, {**row, "d_model": 1024, "parameters": 1.0e8}], "workers": 4, "driver_node_rss_growth": 1.1,
+          "worst_worker_rss_vs_footprint": 1.2, "min_commit_gb_per_s": 0.8, "largest_recovery_s": 1.5,
+          "worst_held_vs_sync": 0.04}
     text = "\n".join(render_checkpoint(ck))
-    assert "300 MiB" in text and "| DeepSpeed sync save, local dir (baseline) | 0.500 | - | 1 |" in text
-    assert "| 0.050 | 0.040-0.070 | vs local **0.100**, vs local+S3 **0.006** (target ≤ 0.10) |" in text
-    assert "S3 / memory **7.00x**" in text
-    # With the split of the blocking (save call + the next optimizer step's wait) and the step times.
-    ck.update(save_call_s=0.03, copy_wait_s=0.02, step_s_overlapping_copy=0.6, step_s_other=0.5,
-              step_inflation_overlapping_copy=1.2)
-    ck["samples"].update(save_call_s=[0.03], copy_wait_s=[0.02], step_s_overlapping_copy=[0.6], step_s_other=[0.5])
-    text = "\n".join(render_checkpoint(ck))
-    assert "| of which the save call (blocking_s) | 0.030 |" in text and "checkpoint_wait_s) | 0.020 |" in text
-    assert "| step time, steps overlapping a host copy | 0.600 | - | x1.20 vs other steps |" in text
+    assert "| 256 | 6.5M | 80 | 700 | 1.20 | 0.020 | 0.500 | 0.040 | 0.10 | 0.80 | 0.30 | 1.50 |" in text
+    assert "| 1024 | 100.0M |" in text
+    assert "**x1.10** (target ≤ 1.5)" in text and "**0.80 GB/s** (target ≥ 1)" in text
+    assert "**0.040** (target ≤ 0.10)" in text
 
 
 def test_data_section_reports_both_sides_the_ratio_and_the_wait_share():

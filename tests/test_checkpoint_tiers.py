@@ -1,13 +1,18 @@
-"""Two-tier checkpoints, auto-resume and preemption on a real multi-node Ray cluster.
+"""Checkpoints on a real multi-node Ray cluster: every rank saves and loads its own shards.
 
 1. Durable storage on a real S3-compatible server, slow (its uploads of step 10 held until the
-   run recorded step 15): the memory-tier save of step 15 does not wait for step 10's upload; a
-   worker killed between durable checkpoints recovers from the memory tier; the finished job, re-run on the same run directory with a
-   longer max_steps and without its memory tier (as on a new driver node), resumes from S3.
-2. The driver node's memory is lost (its committer killed, its memory-tier files gone) and a
-   worker killed: the run recovers from the memory tier's replica on a peer node.
-3. SIGTERM to the driver of `airay run` (a spot reclaim): an emergency checkpoint, a clean exit,
-   and the same command run again resumes from it.
+   run recorded step 15): every rank uploads its own files at once; the memory-tier save of step
+   15 does not wait for step 10's upload; a worker killed between durable checkpoints recovers
+   from the memory tier; the finished job, re-run on the same run directory with a longer
+   max_steps after its memory tier is gone, resumes from S3.
+2. A node is lost with its memory-tier shards, the world shrinks (a new world size: each new rank
+   reshards from the old partitions that overlap its own): the lost node's shards come from their
+   peer copies on the next node.
+3. A bad copy of a shard on one node (its checksum fails): that rank's load falls back to the
+   peer copy; a memory tier another job left on the same path is ignored (cleared) with an event.
+4. SIGTERM to the driver of `airay run` (a spot reclaim): an emergency checkpoint, a clean exit,
+   and the same command run again resumes from it; SIGTERM to a worker: a checkpoint, then the
+   world shrinks without losing a step.
 All continue the loss curve of a fault-free run exactly (rtol as in tests/test_elastic.py:
 world sizes 3 and 2 sum gradients in different orders).
 """
@@ -26,8 +31,8 @@ import yaml
 import pytest
 
 from airay import JobConfig, fit
+from airay.checkpoint.storage import Storage
 from airay.events import committed_losses, read_jsonl
-from airay.storage import Storage
 from tests.conftest import assert_released
 from tests.s3server import s3_server
 
@@ -89,7 +94,7 @@ def events(run_dir, type_):
     return [e for e in read_jsonl(f"{run_dir}/events.jsonl") if e["type"] == type_]
 
 
-def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_cluster, baseline):
+def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tmp_path, local_cluster, baseline):
     run = tmp_path / "run"
     first_hold = []
 
@@ -116,26 +121,33 @@ def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_clu
         assert_released()
         saved = events(run, "checkpoint_saved")
         # Step 15 went to memory while step 10 was still uploading (held): a save waits for the
-        # previous commit to memory, never for an upload, so 15 is recorded before 10 is on S3.
+        # previous one's files, never for an upload, so 15 is committed before 10 is on S3.
         assert first_hold, "step 10's upload was never held"
-        assert [(e["step"], e["tier"]) for e in saved] == [(5, "memory"), (15, "memory"), (10, "durable"),
-                                                          (20, "durable")]
-        by_step = {e["step"]: e for e in saved}
-        assert by_step[15]["previous_commit_wait_s"] < by_step[10]["upload_s"]
-        assert 0 < by_step[10]["memory_s"] < by_step[10]["total_s"] and by_step[10]["upload_wait_s"] >= 0
-        for e in saved:
-            assert 0 < e["blocking_s"] < e["total_s"] and e["bytes"] > 0
-        # Each step after a save reports its optimizer step's wait for that save's host copies.
-        assert all(m["checkpoint_wait_s"] >= 0 for m in read_jsonl(run / "metrics.jsonl"))
-        assert all(e["path"].startswith("s3://") for e in saved if e["tier"] == "durable")
+        assert [(e["step"], e["tier"]) for e in saved] == [(5, "memory"), (10, "memory"), (15, "memory"),
+                                                          (10, "durable"), (20, "memory"), (20, "durable")]
+        memory_saves = {e["step"]: e for e in saved if e["tier"] == "memory"}
+        durable_saves = {e["step"]: e for e in saved if e["tier"] == "durable"}
+        assert memory_saves[15]["previous_commit_wait_s"] < durable_saves[10]["upload_s"]
+        for e in memory_saves.values():
+            # One figure for what a save held the step loop: the call, the wait for the previous
+            # save, and the next step's wait for this save's live writes.
+            assert e["held_s"] == pytest.approx(e["blocking_s"] + e["previous_commit_wait_s"] + e["checkpoint_wait_s"])
+            assert 0 < e["blocking_s"] < e["total_s"] and e["bytes"] > 0 and len(e["peer_nodes"]) == 3
+        # Every rank uploaded its own files, the three at once.
+        windows = durable_saves[10]["upload_windows"]
+        assert len(windows) == 3 and max(a for a, _ in windows) < min(b for _, b in windows)
+        assert all(e["path"].startswith("s3://") for e in durable_saves.values())
+        manifest = json.loads(Storage(ckpt["path"]).read_bytes("step_00000010/manifest.json"))
+        assert sorted({rank for _, _, rank in manifest["files"].values()}) == [0, 1, 2]
         # The kill at step 17 lost two steps: step 15 came from memory, not step 10 from S3.
         (loaded,) = events(run, "checkpoint_loaded")
-        assert (loaded["step"], loaded["tier"], loaded["copy"], loaded["saved_world_size"]) == (15, "memory", "primary", 3)
+        assert (loaded["step"], loaded["tier"], loaded["saved_world_size"], loaded["world_size"]) == (15, "memory", 3, 2)
+        assert loaded["resharded"] and loaded["copies"]["durable"] == 0
         assert [r["resumed_step"] for r in first.resizes if r["reason"] == "failure"] == [15]
         assert Storage(ckpt["path"]).list_dirs() == ["step_00000010", "step_00000020"]
+        assert not memory.exists() or not any(memory.rglob("step_*"))  # a finished run's memory tier goes
 
-        # The same job again, 10 steps longer, on a driver node without the memory tier.
-        shutil.rmtree(memory)
+        # The same job again, 10 steps longer: it resumes from S3.
         second = fit(spec(run, 30, ckpt), echo=False)
         assert second.status == "finished" and second.final_step == 30
         assert_released()
@@ -147,26 +159,54 @@ def test_memory_tier_recovery_s3_resume_and_exact_loss_curve(tmp_path, local_clu
     assert_continues(run, baseline)
 
 
-def test_losing_the_driver_nodes_memory_recovers_from_the_replica_on_a_peer_node(tmp_path, local_cluster, baseline):
+def test_a_node_lost_with_its_shards_recovers_from_the_peer_copies(tmp_path, local_cluster, baseline):
+    lc = local_cluster(nodes=3)
+    ckpt = {"every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2, "memory_path": str(tmp_path / "mem")}
+    run = tmp_path / "run"
+    result = fit(spec(run, 30, ckpt, chaos=[{"fault": "remove_node", "at_step": 17, "rank": 1}]), echo=False,
+                 local_cluster=lc)
+    assert result.status == "finished" and result.final_step == 30
+    assert_released()
+    (lost,) = events(run, "node_lost")
+    # Step 15 was in memory only; the lost node's shards of it came from the next node's copies.
+    loaded = events(run, "checkpoint_loaded")[0]
+    assert (loaded["step"], loaded["tier"], loaded["saved_world_size"], loaded["world_size"]) == (15, "memory", 3, 2)
+    assert loaded["copies"]["peer"] >= 1 and loaded["copies"]["durable"] == 0
+    assert [r["resumed_step"] for r in result.resizes if r["reason"] == "failure"] == [15]
+    assert_continues(run, baseline)
+
+
+def test_a_bad_copy_falls_back_to_the_peer_copy_and_another_jobs_tier_is_ignored(tmp_path, local_cluster, baseline):
     import ray
 
     local_cluster(nodes=3)
-    memory = tmp_path / "node-memory"
-    ckpt = {"every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2, "memory_path": str(memory)}
+    mem = tmp_path / "mem"
+    ckpt = {"every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2, "memory_path": str(mem)}
     run = tmp_path / "run"
-    result = fit(spec(run, 30, ckpt, chaos=[{"fault": "lose_memory_primary", "at_step": 17, "rank": 1}]), echo=False)
-    assert result.status == "finished" and result.final_step == 30 and result.restarts == 1
-    driver_node = ray.get_runtime_context().get_node_id()
+    # Another job left a memory tier on this path (same checkpoint path, another model): its
+    # step 25 would be the newest checkpoint if it were trusted.
+    from airay.checkpoint.layout import job_identity
+    from airay.checkpoint.tiers import MemoryTier, memory_base
+
+    other = job_identity("tiers", {"factory": "airay.models.tiny_gpt:build", "kwargs": {"d_model": 128}}, 2)
+    node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU"))
+    foreign = MemoryTier(memory_base(str(mem), str(run / "checkpoints")), node, other)
+    foreign.open()
+    foreign.step_dir(25).mkdir()
+    result = fit(spec(run, 30, ckpt, chaos=[{"fault": "corrupt_memory_copy", "at_step": 17, "rank": 1}]), echo=False)
+    assert result.status == "finished" and result.final_step == 30
     assert_released()
-    replicated = events(run, "checkpoint_replicated")
-    assert {5, 15} <= {e["step"] for e in replicated}  # memory-tier steps (durable ones are on storage)
-    assert all(e["node_id"] != driver_node and e["bytes"] > 0 for e in replicated)
+    (ignored,) = events(run, "checkpoint_ignored")
+    assert ignored["node_id"] == node and ignored["job"]["id"] == other["id"]
     (fault,) = events(run, "fault_injected")
-    assert any(p.endswith("step_00000015") for p in fault["removed"])  # the primary copy of step 15 is gone
-    # Step 15 still came from memory, from the replica; not step 10 from storage.
-    (loaded,) = events(run, "checkpoint_loaded")
-    assert (loaded["step"], loaded["tier"], loaded["copy"]) == (15, "memory", "replica")
-    assert [r["resumed_step"] for r in result.resizes if r["reason"] == "failure"] == [15]
+    assert (fault["step"], fault["checkpoint_step"], len(fault["copies"])) == (17, 15, 1)  # rank 1 copy on its node
+    # Rank 1's shard of step 15 failed its checksum on its node; the peer copy served.
+    bad = [e for e in events(run, "checkpoint_rejected") if e.get("fell_back")]
+    assert any(e["copy"] == "local" for e in bad) and fault["killed_rank"] == 2
+    assert all(e["file"] == fault["file"] and e["copy"] in ("local", f"peer:{fault['node_id']}") and "crc32" in e["reason"]
+               for e in bad)
+    loaded = events(run, "checkpoint_loaded")[0]
+    assert (loaded["step"], loaded["tier"]) == (15, "memory") and loaded["copies"]["peer"] >= 1
     assert_continues(run, baseline)
 
 
@@ -192,7 +232,7 @@ def test_sigterm_to_the_driver_checkpoints_exits_cleanly_and_resumes(tmp_path, b
     stop = preempted["checkpoint_step"]
     assert stop == preempted["step"] and 12 < stop < 30 and stop % 5 == 0  # the end of the round in flight
     assert preempted["within_grace"]
-    assert [e["step"] for e in events(run, "checkpoint_saved")] == [10, stop]
+    assert [e["step"] for e in events(run, "checkpoint_saved") if e["tier"] == "durable"] == [10, stop]
     assert events(run, "run_finished") == []
     assert json.loads((run / "result.json").read_text())["status"] == "preempted"
 

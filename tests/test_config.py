@@ -136,11 +136,14 @@ def test_fault_and_health_fields_are_validated_with_the_fix():
         JobConfig.from_dict({**base, "timeouts": {"hang_timeout_s": 200}})
     with _pytest.raises(ConfigError, match="corrupt_checkpoint at_step 4 needs a committed checkpoint"):
         JobConfig.from_dict({**base, "chaos": [{"fault": "corrupt_checkpoint", "at_step": 4}]})
-    with _pytest.raises(ConfigError, match="lose_memory_primary needs a memory tier"):
-        JobConfig.from_dict({**base, "chaos": [{"fault": "lose_memory_primary", "at_step": 7}]})
-    with _pytest.raises(ConfigError, match="lose_memory_primary needs a memory tier"):
-        JobConfig.from_dict({**base, "checkpoint": {"every_n_steps": 10, "fast_every_n_steps": 5},
-                             "chaos": [{"fault": "lose_memory_primary", "at_step": 5}]})
+    with _pytest.raises(ConfigError, match="lose_node_memory needs a committed memory checkpoint: set at_step > 5"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "lose_node_memory", "at_step": 5}]})
+    with _pytest.raises(ConfigError, match="corrupt_memory_copy needs a committed memory checkpoint: set at_step > 2"):
+        JobConfig.from_dict({**base, "checkpoint": {"every_n_steps": 10, "fast_every_n_steps": 2},
+                             "chaos": [{"fault": "corrupt_memory_copy", "at_step": 2}]})
+    with _pytest.raises(ConfigError, match="corrupt_memory_copy kills the rank after `rank`"):
+        JobConfig.from_dict({**base, "scaling": {"min_workers": 1, "max_workers": 1},
+                             "chaos": [{"fault": "corrupt_memory_copy", "at_step": 7}]})
     with _pytest.raises(ConfigError, match="slow_worker steps .* run past max_steps"):
         JobConfig.from_dict({**base, "chaos": [{"fault": "slow_worker", "at_step": 18, "steps": 5}]})
     with _pytest.raises(ConfigError, match=r"more than one fault at \(at_step, rank\) \[\(6, 1\)\]"):

@@ -77,11 +77,14 @@ class TrainWorker:
         torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
         commtime.install()  # before DeepSpeed binds the collectives (see airay.commtime)
         self._preempted_at: float | None = None
-        from airay.snapshot import Writer
+        from airay.checkpoint.staging import Writer
 
-        self._ckpt_writer = Writer()  # writes checkpoint files off the step loop (airay.snapshot)
+        self._ckpt_writer = Writer()  # writes checkpoint files off the step loop (airay.checkpoint.staging)
+        self._saving: dict | None = None  # the save staged last: step, directory, layout
+        self._persisted: dict[int, dict] = {}  # step -> this rank's files of it in node memory
+        self._load_plan = None  # what prepare_load found, for load
         self.preemption_handled = _catch_sigterm(self._on_sigterm)
-        from airay.checkpoint import remove_stale_scratch
+        from airay.checkpoint.tiers import remove_stale_scratch
 
         remove_stale_scratch()
 
@@ -115,14 +118,14 @@ class TrainWorker:
         """
         t0 = time.perf_counter()
         plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
-        self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__, load_universal=False)
+        self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__)
         self.leave()
         return {**self.info(), "warmup_s": time.perf_counter() - t0}
 
     # ---- world membership ----------------------------------------------------------------
 
-    def join(self, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict[str, int],
-             load_universal: bool) -> dict[str, float]:
+    def join(self, rank: int, world_size: int, master_addr: str, master_port: int,
+             plan: dict[str, int]) -> dict[str, float]:
         """Leave any old world, join this one and build a fresh engine. Returns timings."""
         import deepspeed
         import deepspeed.comm as dist
@@ -143,10 +146,10 @@ class TrainWorker:
         self.rank, self.plan = rank, BatchPlan(**plan)
         reset_zero3_globals()
         model = self._user(self.model_factory, seed=self.config.seed, **self.config.model.kwargs)
-        self.engine = build_engine(model, self.config.deepspeed, self.plan, self.device, load_universal)
-        from airay import snapshot
+        self.engine = build_engine(model, self.config.deepspeed, self.plan, self.device)
+        from airay.checkpoint import staging
 
-        snapshot.install(self.engine, self._ckpt_writer)
+        staging.install(self.engine, self._ckpt_writer)
         dist.barrier()
         # The TCP sockets that appeared while joining are this world's (store and gloo pairs).
         self._world_sockets = {fd: ino for fd, ino in tcp_socket_fds().items() if sockets_before.get(fd) != ino}
@@ -181,8 +184,8 @@ class TrainWorker:
 
         if self.engine is not None:
             # A save's host copies may still read the engine's tensors (a wait that is the leave's time).
-            self._ckpt_writer.wait_copied()
-            self._ckpt_writer.take_copy_wait()
+            self._ckpt_writer.wait_live()
+            self._ckpt_writer.take_wait()
             try:
                 self.engine.destroy()
             except Exception:  # a half-broken engine after a peer died; we drop it anyway
@@ -198,65 +201,125 @@ class TrainWorker:
 
     # ---- checkpoints -----------------------------------------------------------------------
 
-    def save(self, step: int, data_position: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Save this rank's part of `step` into its node's memory; `collect` hands it on. Each rank
-        saves into its own directory (DeepSpeed's file names carry the rank, so the union of
-        the ranks' directories is the whole checkpoint), so ranks sharing a node never clash.
-        Returns once the state is copied to host memory; the files are written in the background
-        (airay.snapshot) and complete when `collect` reads them."""
-        import shutil
-
-        from airay.checkpoint import NATIVE_TAG, scratch_root, step_name
+    def save(self, step: int, data_position: dict[str, Any] | None, memory_base: str) -> dict[str, Any]:
+        """Stage this rank's part of `step` into its node's memory tier (DeepSpeed's file names
+        carry the rank, so ranks sharing a node never clash). Returns once the small parts are
+        cloned; parameters and optimizer state are written from the live tensors in the
+        background (airay.checkpoint.staging), done before the next optimizer step changes them."""
+        from airay.checkpoint.layout import step_name
+        from airay.checkpoint.reshard import layout_of
+        from airay.checkpoint.tiers import node_dir
 
         t0 = time.perf_counter()
-        # A save never collected (its world broke) may still be writing into the stage it clears.
+        # A save whose world broke before it was persisted may still be writing: let it finish.
         self._ckpt_writer.wait(raise_errors=False)
-        stage = scratch_root() / "stage"
-        shutil.rmtree(stage, ignore_errors=True)  # an earlier step's save that was never collected
-        path = stage / step_name(step)
-        (path / NATIVE_TAG).mkdir(parents=True)
-        self.engine.save_checkpoint(save_dir=str(path), tag=NATIVE_TAG,
+        self._ckpt_writer.take_written()
+        root = node_dir(memory_base, self.node_id)
+        self.engine.save_checkpoint(save_dir=str(root), tag=step_name(step),
                                     client_state={"airay_step": step, "airay_data": data_position},
                                     save_latest=False)
-        return {"save_s": time.perf_counter() - t0, "dir": str(path)}
+        self._saving = {"step": step, "dir": str(root / step_name(step)), "t0": t0,
+                        "layout": layout_of(self.engine) if self.rank == 0 else {}}
+        return {"save_s": time.perf_counter() - t0}
 
     @ray.method(concurrency_group="io")
-    def collect(self, path: str) -> dict[str, bytes]:
-        """This rank's saved files (relative paths -> bytes), for the committer; runs beside the
-        step loop, so training goes on while the checkpoint travels."""
-        import shutil
+    def persist(self, step: int, peer=None, peer_node: str | None = None) -> dict[str, Any]:
+        """Finish writing this rank's files of `step` and copy them to the peer node's store;
+        returns {file: [size, crc32]} (computed as they were written) for the manifest. Runs
+        beside the step loop (its own thread)."""
         from pathlib import Path
 
-        from airay.checkpoint import read_files
+        from airay.checkpoint.actors import push_copy
 
-        self._ckpt_writer.wait()  # the save's files are complete (a failed write fails the commit)
-        root = Path(path)
-        files = read_files(root, [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file()])
-        shutil.rmtree(root, ignore_errors=True)
-        return files
+        saving = self._saving
+        if saving is None or saving["step"] != step:
+            raise RuntimeError(f"rank {self.rank} has no save of step {step} to persist")
+        self._ckpt_writer.wait()  # the files are complete (a failed write fails this save)
+        written = {Path(p).name: list(v) for p, v in self._ckpt_writer.take_written().items()}
+        t_written = time.perf_counter()
+        copied = True
+        if peer is not None:
+            copied = all(push_copy(peer, step, Path(saving["dir"]) / name, *v) for name, v in written.items())
+            if not copied:
+                raise RuntimeError(f"rank {self.rank}: the copy of step {step} to node {peer_node} did not arrive whole")
+        self._persisted[step] = {"dir": saving["dir"], "files": written}
+        for old in sorted(self._persisted)[:-4]:  # what later uploads may still need, no more
+            del self._persisted[old]
+        return {"files": written, "layout": saving["layout"], "node_id": self.node_id,
+                "peer_node": peer_node if peer is not None else None,
+                "write_s": t_written - saving["t0"], "copy_s": time.perf_counter() - t_written}
 
-    def load(self, path: str, tag: str, source: str = "path", files: dict[str, bytes] | None = None,
-             root: str | None = None, name: str | None = None) -> dict[str, Any]:
-        """Load a checkpoint into the engine. `source`: path (a directory every node sees), memory
-        (`files`, from the committer's memory tier), storage (download `name` from `root`)."""
-        import shutil
+    @ray.method(concurrency_group="upload")
+    def upload(self, step: int, location: str) -> dict[str, Any]:
+        """Upload this rank's files of `step` from its node's memory tier to durable storage
+        (fsynced there on a filesystem); returns {file: [size, crc32]} of the bytes sent."""
+        from pathlib import Path
 
-        from airay.checkpoint import fetch_for_load
+        from airay.checkpoint.layout import step_name
+        from airay.checkpoint.storage import Storage
 
         t0 = time.perf_counter()
-        path, local = fetch_for_load(path, tag, source, files, root, name)
-        t_fetch = time.perf_counter()
+        persisted = self._persisted.get(step)
+        if persisted is None:
+            raise RuntimeError(f"rank {self.rank} holds no files of step {step} to upload")
+        storage = Storage(location)
+        start = time.time()
+        sent = {name: list(storage.upload_file(Path(persisted["dir"]) / name, f"{step_name(step)}/{name}"))
+                for name in persisted["files"]}
+        return {"files": sent, "upload_s": time.perf_counter() - t0, "window": [start, time.time()]}
+
+    def prepare_load(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Find and verify, nearest copy first, every file this rank needs to load a checkpoint
+        (no collective: a rank that finds no good copy fails alone, and every rank gives the
+        step up). Returns which copies served and which were bad."""
+        from airay.checkpoint.layout import Manifest, step_name
+        from airay.checkpoint.loading import LoadPlan, Source, fetch_verified, needed_files
+        from airay.checkpoint.reshard import layout_of
+        from airay.checkpoint.tiers import node_dir
+
+        t0 = time.perf_counter()
+        manifest = Manifest.from_json(spec["manifest"])
+        layout = layout_of(self.engine)
+        source = Source(str(node_dir(spec["memory_base"], self.node_id) / step_name(spec["step"])),
+                        {n: [(node, store) for node, store in holders if node != self.node_id]
+                         for n, holders in spec["peers"].items()}, spec["durable"])
+        paths, copies, bad = {}, {"local": 0, "peer": 0, "durable": 0}, []
+        for name in needed_files(manifest, self.rank, self.plan.world_size, layout):
+            f = manifest.files[name]
+            paths[name], copy, met = fetch_verified(name, (f.size, f.crc32), source, spec["step"])
+            copies[copy] += 1
+            bad += met
+        self._load_plan = LoadPlan(manifest, self.rank, self.plan.world_size, paths, layout)
+        return {"copies": copies, "bad": bad, "files": sorted(paths), "fetch_s": time.perf_counter() - t0,
+                "bytes": sum(manifest.files[n].size for n in paths)}
+
+    def load(self, step: int) -> dict[str, Any]:
+        """Load the checkpoint prepare_load found (DeepSpeed's own loader, its reads resharded to
+        this world by the plan); returns the step, the data position and timings."""
+        import shutil
+
+        from airay.checkpoint.layout import step_name
+        from airay.checkpoint.tiers import scratch_dir
+
+        t0 = time.perf_counter()
+        plan, self._load_plan = self._load_plan, None
+        if plan is None or plan.manifest.step != step:
+            raise RuntimeError(f"rank {self.rank}: load of step {step} without prepare_load")
+        stage_dir = scratch_dir() / "load"
+        shutil.rmtree(stage_dir, ignore_errors=True)
+        self.engine.checkpoint_engine.plan = plan
         try:
-            load_path, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+            load_path, client = self.engine.load_checkpoint(plan.stage_dir(stage_dir, step_name(step)),
+                                                            tag=step_name(step), load_optimizer_states=True,
                                                             load_lr_scheduler_states=True)
         finally:
-            if local is not None:
-                shutil.rmtree(local, ignore_errors=True)
-        self._ckpt_writer.take_copy_wait()  # a wait inside load_checkpoint is load time, not a step's
+            self.engine.checkpoint_engine.plan = None
+            shutil.rmtree(stage_dir, ignore_errors=True)
+        self._ckpt_writer.take_wait()  # a wait inside load_checkpoint is load time, not a step's
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint at {path}/{tag}")
+            raise RuntimeError(f"DeepSpeed loaded no checkpoint of step {step}")
         return {"step": int(client["airay_step"]), "data_position": client.get("airay_data"),
-                "fetch_s": t_fetch - t0, "load_s": time.perf_counter() - t0}
+                "load_s": time.perf_counter() - t0, "reshard_s": plan.reshard_s, "resharded": plan.resharded}
 
     # ---- training ------------------------------------------------------------------------------
 
@@ -314,10 +377,10 @@ class TrainWorker:
         real = [b for b, n in zip(batches, sizes) if n]
         step_time = time.perf_counter() - t0
         comm = commtime.seconds() - comm0
-        # Time the optimizer step waited for the previous save's host copies (airay.snapshot):
+        # Time the optimizer step waited for the previous save's live writes (airay.checkpoint.staging):
         # part of that checkpoint's blocking, not of this step's work.
         out = {"step": step, "loss_sum": float(loss_sum), "step_time_s": step_time, "data_wait_s": data_wait,
-               "checkpoint_wait_s": self._ckpt_writer.take_copy_wait(),
+               "checkpoint_wait_s": self._ckpt_writer.take_wait(),
                "local_s": data_wait + local_s, "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
                "tokens": sum(token_count(b) for b in real)}
         if self.config.data.record_sample_ids:

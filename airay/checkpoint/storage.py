@@ -6,12 +6,15 @@ code never cares which. Paths inside are relative to the root and use "/".
 
 Object stores have no rename, so nothing here relies on one: a checkpoint is made visible by
 writing its manifest last (airay.checkpoint); a single object PUT is atomic on S3 and GCS, and
-on a local filesystem the manifest is written aside and renamed.
+on a local filesystem the manifest is written aside, fsynced and renamed. Files uploaded to a local
+(or NFS) directory are fsynced before the call returns, so a manifest written after them never
+names a file that a crash could still lose.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -88,46 +91,62 @@ class Storage:
     # ---- writing ---------------------------------------------------------------------------
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write one file so readers see none of it or all of it."""
+        """Write one file so readers see none of it or all of it, durably."""
         if self.is_local:
             path = Path(self.full(rel))
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(data)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
+            _fsync_dir(path.parent)
         else:
             with self.fs.open_output_stream(self.full(rel)) as f:  # one PUT: atomic on S3/GCS
                 f.write(data)
 
-    def upload(self, local_dir: str | os.PathLike, rel: str, files: list[str]) -> int:
-        """Copy `files` (relative to `local_dir`) to `rel/...`; returns bytes copied."""
-        total = 0
-        local = pafs.LocalFileSystem()
-        for name in files:
-            dest = f"{self.full(rel)}/{name}"
-            self.fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
-            with local.open_input_stream(str(Path(local_dir) / name)) as src, self.fs.open_output_stream(dest) as out:
+    def upload_file(self, local_path: str | os.PathLike, rel: str) -> tuple[int, int]:
+        """Copy a local file to `rel` (fsynced on a local filesystem); returns (size, crc32) of
+        the bytes sent, so the caller can check them against the manifest's."""
+        crc, size = 0, 0
+        dest = self.full(rel)
+        if self.is_local:
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            with open(local_path, "rb") as src, open(dest, "wb") as out:
                 while chunk := src.read(CHUNK):
                     out.write(chunk)
-                    total += len(chunk)
-        return total
+                    crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            return size, crc
+        self.fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+        with open(local_path, "rb") as src, self.fs.open_output_stream(dest) as out:
+            while chunk := src.read(CHUNK):
+                out.write(chunk)
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+        return size, crc
 
-    def download(self, rel: str, local_dir: str | os.PathLike, files: list[str]) -> int:
-        """Copy `rel/<name>` for each of `files` into `local_dir/<name>`; returns bytes copied."""
-        total = 0
-        for name in files:
-            dest = Path(local_dir) / name
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with open(dest, "wb") as out:
-                for chunk in self.chunks(f"{rel}/{name}"):
-                    out.write(chunk)
-                    total += len(chunk)
-        return total
+    def download_file(self, rel: str, dest: str | os.PathLike) -> tuple[int, int]:
+        """Copy `rel` into the local file `dest`; returns (size, crc32) of what arrived."""
+        crc, size = 0, 0
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        with open(dest, "wb") as out:
+            for chunk in self.chunks(rel):
+                out.write(chunk)
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+        return size, crc
+
+    def sync_dir(self, rel: str) -> None:
+        """Make a local directory's entries durable (the files in it were fsynced one by one)."""
+        if self.is_local and os.path.isdir(self.full(rel)):
+            _fsync_dir(Path(self.full(rel)))
 
     def delete_dir(self, rel: str) -> None:
+        """Remove a directory and everything in it; one that is not there is no error."""
         try:
             self.fs.delete_dir(self.full(rel))
-        except (FileNotFoundError, OSError):
+        except FileNotFoundError:
             pass
 
     def move_dir(self, rel: str, new_rel: str) -> None:
@@ -139,3 +158,11 @@ class Storage:
         for name in self.sizes(rel):
             self.fs.copy_file(f"{self.full(rel)}/{name}", f"{self.full(new_rel)}/{name}")
         self.delete_dir(rel)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,193 @@
+"""A rank's side of loading a checkpoint: find each file it needs in the nearest good copy, then
+hand DeepSpeed its files (resharded when the world size changed) as DeepSpeed asks for them.
+
+Copies are tried nearest first: this node's memory tier, a peer node's (through its NodeStore,
+in chunks), then durable storage. Every copy is checked as it is read, size and CRC-32 against
+the manifest; a bad copy is reported and the next one tried. A file fetched from elsewhere lands
+in this node's memory tier (renamed into place once verified), so the other ranks of the node
+that need it too (the model-states file) read it from there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from airay.checkpoint import reshard
+from airay.checkpoint.layout import Manifest, files_to_load, step_name
+
+CHUNK = 64 << 20  # bytes per piece when a file crosses nodes (through the object store) or storage
+
+
+class CheckpointUnavailable(RuntimeError):
+    """No good copy of a file of the checkpoint: the driver falls back to an older step."""
+
+    def __init__(self, message: str, step: int | None = None, bad: list | None = None):
+        super().__init__(message)
+        self.step, self.bad = step, bad or []
+
+    def __reduce__(self):  # Ray pickles it back to the driver with its step and the bad copies
+        return type(self), (str(self), self.step, self.bad)
+
+
+def file_crc(path: str | os.PathLike) -> tuple[int, int]:
+    """(size, CRC-32) of a local file."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+@dataclass
+class Source:
+    """Where copies of a step's files are: this node's memory directory for the step, other
+    nodes' stores holding each file, and the durable tier if the step is there."""
+
+    local_dir: str
+    peers: dict[str, list] = field(default_factory=dict)  # file -> [(node_id, NodeStore handle)]
+    durable: str | None = None  # the durable tier's location (airay.checkpoint.storage.Storage)
+
+
+def fetch_verified(name: str, expect: tuple[int, int], source: Source, step: int) -> tuple[str, str, list[dict]]:
+    """A verified local path of `name`: (path, which copy, bad copies met). Raises
+    CheckpointUnavailable when no copy is good."""
+    local = Path(source.local_dir) / name
+    bad: list[dict] = []
+    Path(source.local_dir).mkdir(parents=True, exist_ok=True)
+    # One rank of a node fetches a file the node lacks; the others wait and then read it locally.
+    with open(Path(source.local_dir) / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if local.exists():
+                got = file_crc(local)
+                if got == tuple(expect):
+                    return str(local), "local", bad
+                bad.append({"file": name, "copy": "local", "reason": _mismatch(got, expect)})
+                local.unlink()
+            tmp = local.with_name(f".{name}.part")
+            for node_id, store in source.peers.get(name, []):
+                try:
+                    got = _from_peer(store, step, name, tmp)
+                except Exception as exc:  # the peer or its node is gone: the next copy
+                    bad.append({"file": name, "copy": f"peer:{node_id}", "reason": f"{type(exc).__name__}: {exc}"})
+                    continue
+                if got == tuple(expect):
+                    os.replace(tmp, local)
+                    return str(local), "peer", bad
+                bad.append({"file": name, "copy": f"peer:{node_id}", "reason": _mismatch(got, expect)})
+            if source.durable is not None:
+                from airay.checkpoint.storage import Storage
+
+                try:
+                    got = Storage(source.durable).download_file(f"{step_name(step)}/{name}", tmp)
+                except OSError as exc:
+                    bad.append({"file": name, "copy": "durable", "reason": f"{type(exc).__name__}: {exc}"})
+                else:
+                    if got == tuple(expect):
+                        os.replace(tmp, local)
+                        return str(local), "durable", bad
+                    bad.append({"file": name, "copy": "durable", "reason": _mismatch(got, expect)})
+            tmp.unlink(missing_ok=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    raise CheckpointUnavailable(f"no good copy of {name} of step {step}: "
+                                + "; ".join(f"{b['copy']}: {b['reason']}" for b in bad), step, bad)
+
+
+def _mismatch(got: tuple[int, int], expect) -> str:
+    size, crc = expect
+    return f"size {got[0]} crc32 {got[1]:#010x}, manifest says size {size} crc32 {crc:#010x}"
+
+
+def _from_peer(store, step: int, name: str, dest: Path) -> tuple[int, int]:
+    """Copy a file from another node's store into `dest`, chunk by chunk (two in flight);
+    returns (size, crc32) of what arrived."""
+    import ray
+
+    crc, size, offset = 0, 0, 0
+    pending = [store.read.remote(step, name, 0, CHUNK)]
+    with open(dest, "wb") as out:
+        while pending:
+            data = ray.get(pending.pop(0), timeout=300)
+            if len(data) == CHUNK:  # there may be more: ask for the one after the next
+                pending.append(store.read.remote(step, name, offset + (len(pending) + 1) * CHUNK, CHUNK))
+            out.write(data)
+            crc, size, offset = zlib.crc32(data, crc), size + len(data), offset + len(data)
+            if len(data) < CHUNK:
+                for ref in pending:
+                    ray.cancel(ref)
+                break
+    return size, crc
+
+
+class LoadPlan:
+    """DeepSpeed's reads of one checkpoint on this rank (installed on StagingEngine.plan while
+    `load_checkpoint` runs): each file from its verified local copy, opened with mmap so only the
+    bytes used are read; this rank's own partition built from the old ranks' that overlap it when
+    the world size changed (airay.checkpoint.reshard)."""
+
+    def __init__(self, manifest: Manifest, rank: int, world_size: int, paths: dict[str, str], layout: dict):
+        self.manifest, self.rank, self.world, self.paths, self.layout = manifest, rank, world_size, paths, layout
+        self.reshard_s = 0.0
+
+    def stage_dir(self, root: str | os.PathLike, tag: str) -> str:
+        """A load directory for DeepSpeed: it globs `root/tag` for the model-states file (and reads
+        nothing from it: every read goes through `load`). Returns `root`."""
+        d = Path(root) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        name = reshard.zero3_model_file(self.rank) if self.manifest.zero_stage == 3 else reshard.MODEL_FILE
+        (d / name).touch()
+        return str(root)
+
+    @property
+    def resharded(self) -> bool:
+        return self.world != self.manifest.world_size
+
+    def _open(self, name: str):
+        import torch
+
+        return torch.load(self.paths[name], map_location="cpu", mmap=True, weights_only=False)
+
+    def load(self, name: str):
+        m = self.manifest
+        if name.endswith("_model_states.pt"):
+            if name not in self.paths:  # a rank the old world did not have (ZeRO-3): any rank's will do
+                name = reshard.zero3_model_file(min(self.rank, m.world_size - 1))
+            sd = self._open(name)
+            if self.resharded:  # DeepSpeed checks it against the world; the partitions are resharded
+                sd = {**sd, "dp_world_size": self.world}
+            return sd
+        bf16 = name.startswith("bf16_")
+        if name != reshard.optim_file(self.rank, bf16):
+            raise KeyError(f"rank {self.rank} asked for {name}, which its load plan does not hold")
+        if not self.resharded:
+            return self._open(name)
+        t0 = time.perf_counter()
+        old = {r: self._open(reshard.optim_file(r, bf16)) for r in self._ranks()}
+        if m.zero_stage == 3:
+            out = reshard.reshard_zero3(old, m.world_size, self.rank, self.world, self.layout["param_numels"])
+        else:
+            out = reshard.reshard_zero12(old, m.world_size, self.rank, self.world, m.layout["partitions"],
+                                         self.layout["partitions"], self.layout["totals"])
+        self.reshard_s += time.perf_counter() - t0
+        return out
+
+    def _ranks(self) -> list[int]:
+        m = self.manifest
+        if m.zero_stage == 3:
+            return reshard.ranks_needed(3, m.world_size, self.rank, self.world, param_numels=self.layout["param_numels"])
+        return reshard.ranks_needed(m.zero_stage, m.world_size, self.rank, self.world,
+                                    partitions=m.layout["partitions"], new_partitions=self.layout["partitions"],
+                                    totals=self.layout["totals"])
+
+
+def needed_files(manifest: Manifest, rank: int, world_size: int, layout: dict) -> list[str]:
+    """The manifest's names of the files this rank reads (bf16 engines name them bf16_...)."""
+    names = files_to_load(manifest, rank, world_size, layout)
+    return [n if n in manifest.files or f"bf16_{n}" not in manifest.files else f"bf16_{n}" for n in names]

@@ -1,0 +1,261 @@
+"""The driver's side of checkpoints: when to save, when a step is committed, what to load.
+
+The driver never holds or reads checkpoint bytes. A save is collective and short: every rank
+stages its own files into its node's memory tier (airay.checkpoint.staging) and returns. Then,
+off the step loop, each rank finishes writing, copies its files to the next node in the ring
+(its NodeStore), and reports every file's size and CRC-32; once all have, the driver commits the
+step to memory by sending the manifest to every node's store. A durable step is then uploaded by
+every rank in parallel, each its own files (one upload at a time per run: a newer durable step
+supersedes one still waiting, UploadQueue); once all have, the driver writes the durable
+manifest, last. What to load is chosen from manifests alone; the ranks verify what they read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from airay.checkpoint.layout import CheckpointInfo, Manifest, load_order, step_name
+from airay.checkpoint.tiers import DurableTier
+
+# Bounds on the driver's waits for the ranks' background work of a save (files written, copies
+# made, uploads). They are far above what a healthy rank takes; a rank that takes longer has
+# failed, and its save with it (checkpoint_failed).
+PERSIST_TIMEOUT_S = 1800.0
+UPLOAD_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class PendingSave:
+    """A save the driver follows from the ranks' staging to its last commit."""
+
+    step: int
+    durable: bool
+    world_size: int
+    t0: float  # unix time the ranks began to save
+    blocking_s: float
+    previous_commit_wait_s: float
+    refs: list = field(default_factory=list)  # the ranks' persist calls, then their uploads
+    members: list = field(default_factory=list)  # the ranks that saved it (they upload their own files)
+    manifest: Manifest | None = None
+    memory_ts: float = 0.0  # when it was committed to memory
+    upload_t0: float = 0.0
+
+
+class UploadQueue:
+    """Which durable uploads run when (pure; the Checkpointer acts on its answers).
+
+    A durable step is committed to memory first (loadable from there at once) and uploaded after,
+    beside later saves, which never wait for it. One upload runs at a time: uploads share the
+    storage's bandwidth, and one at a time keeps the durable tier's steps appearing in order. A
+    durable step committed while one runs waits; a newer one supersedes a step still waiting: it
+    stays in the memory tier, and uploading it after the newer one starts would only delay the
+    newer one. The caller records every superseded step.
+    """
+
+    def __init__(self):
+        self.running = None
+        self.waiting = None
+
+    def add(self, item):
+        """A durable step was committed to memory: (the item to start now or None, the item it
+        superseded or None)."""
+        if self.running is None:
+            self.running = item
+            return item, None
+        superseded, self.waiting = self.waiting, item
+        return None, superseded
+
+    def finished(self):
+        """The running upload ended (done or failed): the waiting one, to start now, or None."""
+        self.running, self.waiting = self.waiting, None
+        return self.running
+
+    def items(self) -> list:
+        return [i for i in (self.running, self.waiting) if i is not None]
+
+
+class Checkpointer:
+    """Owns the checkpoint tiers of a run: collective save, background commits, what to load."""
+
+    def __init__(self, durable: str, zero_stage: int, keep_last: int, recorder, job: dict,
+                 memory_base: str, memory_keep_last: int):
+        self.durable = DurableTier(durable, job)
+        self.durable.claim()  # another job's checkpoints here: fail before any actor starts
+        self.memory_base, self.job = memory_base, job
+        self.zero_stage, self.keep_last, self.memory_keep_last, self.rec = zero_stage, keep_last, memory_keep_last, recorder
+        self.memory_steps: list[int] = []  # steps committed to the memory tier by this run, oldest first
+        self._inflight: PendingSave | None = None  # the save whose persist is in flight
+        self._uploads = UploadQueue()  # of PendingSave: durable steps committed to memory, to upload
+        self._group = None
+        self.step_wait: dict[int, float] = {}  # checkpoint_wait_s of each step (from the metrics)
+        self.last_saved_step: int | None = None
+        self.last_saved_durable = False
+        self.last_durable_step: int | None = None
+
+    @property
+    def root(self) -> str:
+        return self.durable.storage.uri()
+
+    # ---- saving -------------------------------------------------------------------------------
+
+    def save(self, group, step: int, data_position: dict | None = None, durable: bool = True):
+        """Collective save of `step` (with the data position at it, when data is streamed) into
+        every node's memory tier, and to durable storage after when `durable`; returns the ranks'
+        outcomes (all ok, or a loss to handle)."""
+        t_wait = time.time()
+        # The previous save's files must be written and copied first: a rank stages one save at a
+        # time. An upload still running goes on beside this save.
+        self._finish_persist()
+        t0 = time.time()
+        outcomes, _ = group.save(step, data_position)
+        if any(o.kind != "ok" for o in outcomes):
+            return outcomes
+        self._group = group
+        self._inflight = PendingSave(step, durable, len(group.active), t0, time.time() - t0, t0 - t_wait,
+                                     group.persist(step), list(group.active))
+        self.last_saved_step, self.last_saved_durable = step, durable
+        return outcomes
+
+    def note_wait(self, step: int, wait_s: float) -> None:
+        """The step loop's wait at `step` for the previous save's live writes (its metric)."""
+        self.step_wait[step] = wait_s
+
+    def poll(self) -> None:
+        """Move saves along without blocking: commits and uploads whose ranks are done."""
+        running = self._uploads.running
+        if running is not None and _all_ready(running.refs):
+            self._finish_upload()
+        if self._inflight is not None and _all_ready(self._inflight.refs):
+            self._finish_persist()
+
+    def wait(self, uploads: bool = True) -> None:
+        """Block until the save in flight is committed to memory and, with `uploads`, until every
+        durable upload has ended."""
+        self._finish_persist()
+        while uploads and self._uploads.running is not None:
+            self._finish_upload()
+
+    def _finish_persist(self) -> None:
+        if self._inflight is None:
+            return
+        save, self._inflight = self._inflight, None
+        try:
+            reports = _gather(save.refs, PERSIST_TIMEOUT_S)
+        except Exception as exc:  # a rank died or its files failed: the step stays uncommitted
+            self.rec.event("checkpoint_failed", step=save.step, tier="memory", error=_first_line(exc))
+            if self.last_saved_step == save.step:
+                self.last_saved_step = None
+            return
+        save.manifest = Manifest.from_reports(save.step, save.world_size, self.zero_stage, self.job, reports,
+                                              time.time())
+        peers = sorted({r["peer_node"] for r in reports if r.get("peer_node")})
+        self._group.commit_memory(save.step, save.manifest.to_json())
+        save.memory_ts = time.time()
+        self.memory_steps = [s for s in self.memory_steps if s != save.step] + [save.step]
+        held = save.blocking_s + save.previous_commit_wait_s + self.step_wait.get(save.step, 0.0)
+        copy_s = max(r.get("copy_s", 0.0) for r in reports)
+        self.rec.event("checkpoint_saved", step=save.step, path=f"memory:{step_name(save.step)}", tier="memory",
+                       blocking_s=save.blocking_s, previous_commit_wait_s=save.previous_commit_wait_s,
+                       checkpoint_wait_s=self.step_wait.get(save.step, 0.0), held_s=held,
+                       total_s=save.memory_ts - save.t0, bytes=save.manifest.bytes, world_size=save.world_size,
+                       write_s=max(r["write_s"] for r in reports), copy_s=copy_s, peer_nodes=peers,
+                       durable_pending=save.durable)
+        if save.durable:
+            start, superseded = self._uploads.add(save)
+            if superseded is not None:
+                self.rec.event("checkpoint_upload_skipped", step=superseded.step, superseded_by=save.step,
+                               uploading_step=self._uploads.running.step,
+                               reason="a newer durable step was committed while this one waited for an upload")
+            if start is not None:
+                self._start_upload(start)
+        self._prune_memory()
+
+    def _start_upload(self, save: PendingSave) -> None:
+        save.upload_t0 = time.time()
+        save.refs = self._group.upload(save.step, self.durable.location, save.members)
+
+    def _finish_upload(self) -> None:
+        save = self._uploads.running
+        try:
+            reports = _gather(save.refs, UPLOAD_TIMEOUT_S)
+            sent = {n: tuple(v) for r in reports for n, v in r["files"].items()}
+            expect = {n: (f.size, f.crc32) for n, f in save.manifest.files.items()}
+            if sent != expect:
+                wrong = sorted(n for n in expect if sent.get(n) != expect[n])
+                raise RuntimeError(f"uploaded files differ from the manifest: {wrong[:3]}")
+            committed = self.durable.commit(save.manifest)
+        except Exception as exc:  # a rank died, storage failed or a file changed: not durable
+            self.rec.event("checkpoint_failed", step=save.step, tier="durable", error=_first_line(exc))
+            if save.step == self.last_saved_step:
+                self.last_saved_durable = False
+        else:
+            self.last_durable_step = save.step
+            pruned = self.durable.prune(self.keep_last, protect={save.step})
+            self.rec.event("checkpoint_saved", step=save.step, path=self.durable.storage.uri(step_name(save.step)),
+                           tier="durable", bytes=save.manifest.bytes, world_size=save.world_size,
+                           upload_s=committed - save.upload_t0, upload_wait_s=save.upload_t0 - save.memory_ts,
+                           total_s=committed - save.t0, pruned=pruned,
+                           upload_windows=[r["window"] for r in reports])
+        following = self._uploads.finished()
+        if following is not None:
+            self._start_upload(following)
+
+    def _prune_memory(self) -> None:
+        """Keep the newest memory_keep_last committed steps on every node (and steps still
+        being uploaded, or waiting to be: their ranks upload from there)."""
+        keep = set(self.memory_steps[-self.memory_keep_last:]) | {s.step for s in self._uploads.items()}
+        if self._inflight is not None:
+            keep.add(self._inflight.step)
+        self.memory_steps = [s for s in self.memory_steps if s in keep]
+        self._group.prune_memory(sorted(keep))
+
+    def abandon(self) -> None:
+        """The run ends without waiting (it failed): uploads not finished are recorded as failed,
+        so no durable step disappears without a word."""
+        for save in self._uploads.items():
+            self.rec.event("checkpoint_failed", step=save.step, tier="durable",
+                           error="the run ended before its upload to durable storage finished")
+        self._uploads = UploadQueue()
+
+    # ---- choosing what to load ----------------------------------------------------------------
+
+    def candidates(self, group=None) -> list[CheckpointInfo]:
+        """Complete checkpoints, in the order to try them: durable ones (manifests and a listing
+        of sizes) and, given the worker group, memory ones whose every file some live node holds."""
+        self.wait(uploads=False)
+        found = self.durable.complete()
+        if group is not None:
+            found += group.memory_checkpoints(self.job)
+        return load_order(found)
+
+    def latest(self, group=None) -> CheckpointInfo | None:
+        found = self.candidates(group)
+        return found[0] if found else None
+
+    def reject(self, info: CheckpointInfo, reason: str, group) -> None:
+        """Some file of `info` has no good copy: never try it again (a durable step is set aside,
+        its memory copies dropped), with the event."""
+        moved = self.durable.reject(info.step) if info.tier == "durable" else None
+        if info.tier == "memory":
+            self.memory_steps = [s for s in self.memory_steps if s != info.step]
+            group.prune_memory(self.memory_steps, also_drop=[info.step])
+        self.rec.event("checkpoint_rejected", step=info.step, tier=info.tier, path=info.path, moved_to=moved,
+                       reason=reason)
+
+
+def _all_ready(refs: list) -> bool:
+    import ray
+
+    return not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+
+def _gather(refs: list, timeout_s: float) -> list:
+    import ray
+
+    return ray.get(refs, timeout=timeout_s)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

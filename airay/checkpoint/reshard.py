@@ -1,0 +1,175 @@
+"""Resharding DeepSpeed's native ZeRO checkpoints to another world size, one new rank at a time.
+
+Each new rank builds its own optimizer partition from the slices of the old ranks' files that
+overlap it (typically one or two old files, read through mmap so only the overlapping bytes are
+touched), and hands it to DeepSpeed's own same-size loader. No rank reads the whole state, no
+process merges it: the plan-at-load idea of torch.distributed.checkpoint, on DeepSpeed's files
+(deepspeed 0.19: runtime/zero/stage_1_and_2.py state_dict, stage3.py _rigid_state_dict).
+
+The layouts (fp32, no offload):
+- ZeRO-1/2: per parameter group, the parameters are flattened into one vector of `total`
+  elements, padded at its end to `partition x world` and cut into equal partitions; a rank's file
+  holds its partition of the fp32 master weights (unpadded: the last rank's is shorter) and of
+  each optimizer state (padded).
+- ZeRO-3: per sub-group, each parameter of n elements is cut into partitions of ceil(n / world)
+  (the last padded); a rank's flat vector is its partition of every parameter, in order.
+Stage 0 keeps the optimizer whole in the model-states file: nothing is partitioned.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+OPTIMIZER_STATE_DICT = "optimizer_state_dict"
+BASE_OPTIMIZER_STATE = "base_optimizer_state"
+SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"
+GROUP_PADDINGS = "group_paddings"
+PARTITION_COUNT = "partition_count"
+FP32_FLAT_GROUPS = "fp32_flat_groups"
+PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+
+
+def optim_file(rank: int, bf16: bool = False) -> str:
+    """DeepSpeed's name of a data-parallel rank's optimizer partition (model parallel rank 0)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def zero3_model_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+MODEL_FILE = "mp_rank_00_model_states.pt"  # ZeRO 0-2: written by rank 0, read by every rank
+
+
+def overlapping(lo: int, hi: int, part: int, world: int) -> range:
+    """Old ranks whose partition [r*part, (r+1)*part) meets [lo, hi)."""
+    if hi <= lo or part <= 0:
+        return range(0)
+    return range(lo // part, min(world, -(-hi // part)))
+
+
+def ranks_needed(zero_stage: int, old_world: int, new_rank: int, new_world: int, *,
+                 partitions: list[int] | None = None, new_partitions: list[int] | None = None,
+                 totals: list[int] | None = None, param_numels: list[list[int]] | None = None) -> list[int]:
+    """The old ranks whose files new rank `new_rank` reads. ZeRO-1/2: `partitions` (old) and
+    `new_partitions` per group, `totals` (unpadded elements per group). ZeRO-3: `param_numels`
+    per sub-group."""
+    need: set[int] = set()
+    if zero_stage in (1, 2):
+        for part, new_part, total in zip(partitions, new_partitions, totals):
+            lo, hi = new_rank * new_part, min((new_rank + 1) * new_part, total)
+            need.update(overlapping(lo, hi, part, old_world))
+    elif zero_stage == 3:
+        for numels in param_numels:
+            for n in numels:
+                c, c_new = math.ceil(n / old_world), math.ceil(n / new_world)
+                lo, hi = new_rank * c_new, min((new_rank + 1) * c_new, n)
+                need.update(overlapping(lo, hi, c, old_world))
+    return sorted(need)
+
+
+def gather(pieces: Callable[[int], object], part: int, old_world: int, lo: int, hi: int, total: int,
+           size: int | None = None):
+    """Elements [lo, hi) of a flat vector of `total` elements kept as partitions of `part`
+    elements (`pieces(r)`: old rank r's tensor, 1-D), zero-padded to `size` (default hi - lo).
+    Only the overlapping elements are read."""
+    import torch
+
+    end = min(hi, total)
+    out = []
+    for r in overlapping(lo, end, part, old_world):
+        a, b = max(lo, r * part), min(end, (r + 1) * part)
+        out.append(pieces(r)[a - r * part:b - r * part])
+    size = hi - lo if size is None else size
+    have = sum(t.numel() for t in out)
+    if have < size:  # padding past the end (optimizer state is fp32 whatever the model's dtype)
+        out.append(torch.zeros(size - have, dtype=out[0].dtype if out else torch.float32))
+    return torch.cat(out).clone() if len(out) > 1 else out[0].clone()
+
+
+def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
+                   partitions: list[int], new_partitions: list[int], totals: list[int]) -> dict:
+    """New rank's ZeRO-1/2 optimizer file (the dict DeepSpeed's rigid loader reads) from the old
+    ranks' files `old` (at least those ranks_needed names)."""
+    first = old[min(old)]
+    out = dict(first)
+    osd = dict(first[OPTIMIZER_STATE_DICT])
+    base = osd[BASE_OPTIMIZER_STATE]
+    new_state, fp32 = {}, []
+    for g, (part, new_part, total) in enumerate(zip(partitions, new_partitions, totals)):
+        lo = new_rank * new_part
+        keys = base["state"][g]
+        new_state[g] = {}
+        for key, value in keys.items():
+            if hasattr(value, "numel") and value.dim() == 1 and value.numel() == part:
+                new_state[g][key] = gather(lambda r: old[r][OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]["state"][g][key],
+                                           part, old_world, lo, lo + new_part, total)
+            else:  # per-group scalars (the step count) are the same on every rank
+                new_state[g][key] = copy.deepcopy(value)
+        # Saved without padding: the last rank's partition ends at `total`.
+        hi = min(lo + new_part, total)
+        fp32.append(gather(lambda r: old[r][OPTIMIZER_STATE_DICT][SINGLE_PARTITION_OF_FP32_GROUPS][g],
+                           part, old_world, lo, hi, total))
+    osd[BASE_OPTIMIZER_STATE] = {"state": new_state, "param_groups": copy.deepcopy(base["param_groups"])}
+    osd[SINGLE_PARTITION_OF_FP32_GROUPS] = fp32
+    osd[GROUP_PADDINGS] = [new_part * new_world - total if new_rank == new_world - 1 else 0
+                           for new_part, total in zip(new_partitions, totals)]
+    osd[PARTITION_COUNT] = [new_world] * len(partitions)
+    osd.pop(PARAM_SLICE_MAPPINGS, None)  # the old ranks' fragment map; the loader rebuilds its own
+    out[OPTIMIZER_STATE_DICT] = osd
+    return out
+
+
+def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
+                  param_numels: list[list[int]]) -> dict:
+    """New rank's ZeRO-3 optimizer file from the old ranks' files `old` (at least ranks_needed's)."""
+    import torch
+
+    first = old[min(old)]
+    out = dict(first)
+    osd = dict(first[OPTIMIZER_STATE_DICT])
+    torch_sd = osd[OPTIMIZER_STATE_DICT]
+
+    def reslice(numels: list[int], flat_of: Callable[[int], object]):
+        parts = []
+        offsets, offset = [], 0
+        for n in numels:  # each parameter's partition's place in an old rank's flat vector
+            offsets.append(offset)
+            offset += math.ceil(n / old_world)
+        for n, at in zip(numels, offsets):
+            c, c_new = math.ceil(n / old_world), math.ceil(n / new_world)
+            lo = new_rank * c_new
+            parts.append(gather(lambda r: flat_of(r)[at:at + c], c, old_world, lo, lo + c_new, n))
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    flats, new_state = [], {}
+    for g, numels in enumerate(param_numels):
+        flats.append(reslice(numels, lambda r: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][g]))
+        new_state[g] = {}
+        for key, value in torch_sd["state"][g].items():
+            if hasattr(value, "numel") and value.dim() == 1 and value.numel() > 1:
+                new_state[g][key] = reslice(numels, lambda r: old[r][OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT]
+                                            ["state"][g][key])
+            else:
+                new_state[g][key] = copy.deepcopy(value)
+    osd[OPTIMIZER_STATE_DICT] = {"state": new_state, "param_groups": copy.deepcopy(torch_sd["param_groups"])}
+    osd[FP32_FLAT_GROUPS] = flats
+    osd[PARTITION_COUNT] = new_world
+    out[OPTIMIZER_STATE_DICT] = osd
+    return out
+
+
+def layout_of(engine) -> dict:
+    """The partition layout of a DeepSpeed engine's optimizer, what resharding needs: ZeRO-1/2,
+    each group's partition and unpadded total elements; ZeRO-3, each sub-group's parameter
+    sizes. Read from the engine's own optimizer (deepspeed 0.19 attributes)."""
+    opt, stage = engine.optimizer, engine.zero_optimization_stage()
+    if stage in (1, 2):
+        paddings = getattr(opt, "round_robin_bit16_padding", None) or [[] for _ in opt.bit16_groups]
+        return {"partitions": [int(t.numel()) for t in opt.single_partition_of_fp32_groups],
+                "totals": [sum(int(p.numel()) for p in group) + sum(pad) for group, pad in zip(opt.bit16_groups, paddings)]}
+    if stage == 3:
+        return {"param_numels": [[int(p.ds_numel) for p in group] for group in opt.fp16_groups]}
+    return {}

@@ -1,0 +1,257 @@
+"""A DeepSpeed checkpoint engine that writes each rank's files from the live state, beside training.
+
+DeepSpeed's `save_checkpoint` hands every file's state dict to its checkpoint engine
+(deepspeed.runtime.checkpoint_engine, 0.19); the default engine serializes it with torch.save right
+there, inside the step loop. `StagingEngine.save` returns at once: parameters and optimizer state
+change only in the optimizer step, so they are written as they are (no host copy: on a CPU node
+the file in node memory is the copy) by a background `Writer`, while the next step's forward and
+backward run; the engine's `step` (and `load_checkpoint`) first wait for those writes
+(`Writer.wait_live`, reported per step as `checkpoint_wait_s`). Everything else in a state dict
+(module buffers, which forward may update; counters) is cloned inside `save`. A tensor that views
+part of a larger storage (ZeRO's flat buffers) is rewrapped onto just that part, so its file holds
+its own elements and nothing is copied.
+
+Each file's size and CRC-32 are computed as it is written, for the manifest; the files are
+complete once `Writer.wait()` returns. `StagingEngine.load` reads through a `LoadPlan` when one is
+set (airay.checkpoint.loading): the right copy of each file, resharded for another world size.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait_all
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+
+class CrcFile:
+    """A binary file being written, whose size and CRC-32 are kept as it goes."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "wb")
+        self.crc, self.size = 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        n = self.f.write(data)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def own_storage(t):
+    """`t` on a storage of exactly its own elements: a contiguous view of a larger storage is
+    rewrapped (no copy) so torch.save writes its elements only; other views are cloned."""
+    import torch
+
+    storage = t.untyped_storage()
+    if t.numel() * t.element_size() == storage.nbytes():
+        return t
+    if not t.is_contiguous():
+        return t.clone()
+    start = t.storage_offset() * t.element_size()
+    part = storage[start:start + t.numel() * t.element_size()]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(part, 0, t.shape, t.stride())
+
+
+def stage(item, live: set[int], counts: dict | None = None):
+    """`item` ready to write after the save returns: tensors on `live` storages (those only the
+    optimizer step writes) as they are, the rest cloned now; containers rebuilt (dict subclasses
+    keep their type and defaults); other leaves shared. `counts` gets the bytes of each kind."""
+    import torch
+
+    counts = {"live": 0, "cloned": 0} if counts is None else counts
+
+    def walk(item):
+        if torch.is_tensor(item):
+            t = item.detach()
+            if t.untyped_storage().data_ptr() in live:
+                counts["live"] += t.nbytes
+                return own_storage(t)
+            counts["cloned"] += t.nbytes
+            return t.clone() if t.device.type == "cpu" else t.to("cpu")
+        if isinstance(item, dict):
+            out = _copy.copy(item)
+            for k, v in item.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(item, list):
+            return [walk(v) for v in item]
+        if isinstance(item, tuple):
+            return type(item)(*map(walk, item)) if hasattr(item, "_fields") else tuple(map(walk, item))
+        return item
+
+    return walk(item)
+
+
+class Writer:
+    """One background thread that lives as long as the worker process (engines come and go with
+    world changes; pending files must not go with them) and writes queued state dicts in order."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-writer")
+        self._pending: list[Future] = []
+        self._live: list[Future] = []  # writes that read tensors the optimizer step will change
+        self._wait_s = 0.0
+        self._written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32) since take_written
+        self._lock = threading.Lock()
+
+    def submit(self, path: str, state, live: bool) -> None:
+        def write():
+            import torch
+
+            f = CrcFile(path)
+            try:
+                torch.save(state, f)
+            finally:
+                f.close()
+            with self._lock:
+                self._written[path] = (f.size, f.crc)
+
+        with self._lock:
+            future = self._pool.submit(write)
+            self._pending.append(future)
+            if live:
+                self._live.append(future)
+
+    def wait_live(self) -> float:
+        """Block until every write that reads live tensors is done (before the optimizer step
+        changes them); returns the seconds waited, also summed for `take_wait`."""
+        with self._lock:
+            live, self._live = self._live, []
+        if not live:
+            return 0.0
+        t0 = time.perf_counter()
+        _wait_all(live)  # a failed write fails its file, found by wait(); never the step loop
+        waited = time.perf_counter() - t0
+        with self._lock:
+            self._wait_s += waited
+        return waited
+
+    def writing(self) -> bool:
+        with self._lock:
+            return any(not f.done() for f in self._pending)
+
+    def take_wait(self) -> float:
+        """Seconds spent in `wait_live` since the last call."""
+        with self._lock:
+            waited, self._wait_s = self._wait_s, 0.0
+        return waited
+
+    def wait(self, raise_errors: bool = True) -> int:
+        """Block until every queued file is written; returns how many. Re-raises a write's error
+        (the files of that save are incomplete: they must not be committed) unless
+        `raise_errors` is False (a save whose files are being thrown away)."""
+        with self._lock:
+            pending, self._pending, self._live = self._pending, [], []
+        for f in pending:
+            if f.exception() is not None and raise_errors:
+                raise f.exception()
+        return len(pending)
+
+    def take_written(self) -> dict[str, tuple[int, int]]:
+        """(size, crc32) of each file written since the last call, by path."""
+        with self._lock:
+            written, self._written = self._written, {}
+        return written
+
+
+def optimizer_storages(engine) -> set[int]:
+    """Storages only the optimizer step writes: the module's parameters and, at every level of
+    the optimizer wrapping (ZeRO or fp16 wrapper around a torch optimizer), its parameters (ZeRO's
+    fp32 partitions) and per-parameter state (Adam's moments)."""
+    import torch
+
+    ptrs = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    opt, seen = getattr(engine, "optimizer", None), set()
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        for group in getattr(opt, "param_groups", None) or ():
+            ptrs.update(p.untyped_storage().data_ptr() for p in group["params"] if torch.is_tensor(p))
+        state = getattr(opt, "state", None)
+        for param, per_param in (state.items() if isinstance(state, dict) else ()):
+            # Keyed by parameter: ZeRO-3 takes its fp32 partitions out of param_groups between steps.
+            if torch.is_tensor(param):
+                ptrs.add(param.untyped_storage().data_ptr())
+            if isinstance(per_param, dict):
+                ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if torch.is_tensor(v))
+        opt = getattr(opt, "optimizer", None)
+    ptrs.discard(0)  # empty storages (ZeRO-3's released parameters): nothing to write anyway
+    return ptrs
+
+
+class StagingEngine(TorchCheckpointEngine):
+    """TorchCheckpointEngine whose save() stages and returns; the writing is `writer`'s.
+    `live_storages`: returns the storages written as they are (None: clone everything)."""
+
+    def __init__(self, writer: Writer, config_params=None, live_storages=None):
+        super().__init__(config_params)
+        self.name = "AirayStagingEngine"
+        self.writer = writer
+        self.live_storages = live_storages
+        self._live: set[int] = set()
+        self.plan = None  # a LoadPlan (airay.checkpoint.loading) while a load is in progress
+        self.live_bytes = self.cloned_bytes = 0  # of the last save_checkpoint, for reports and tests
+
+    def create(self, info: CheckpointCommitInfo):
+        # A new save_checkpoint: an earlier save's writes (one never committed: its world broke)
+        # must be out of the way, and the optimizer's storages are read afresh (ZeRO-3 swaps them).
+        self.writer.wait(raise_errors=False)
+        self._live = self.live_storages() if self.live_storages is not None else set()
+        self.live_bytes = self.cloned_bytes = 0
+
+    def save(self, state_dict, path: str):
+        counts = {"live": 0, "cloned": 0}
+        staged = stage(state_dict, self._live, counts)
+        self.live_bytes += counts["live"]
+        self.cloned_bytes += counts["cloned"]
+        self.writer.submit(path, staged, live=counts["live"] > 0)
+
+    def load(self, path: str, map_location=None):
+        if self.plan is not None:
+            return self.plan.load(os.path.basename(path))
+        return super().load(path, map_location)
+
+    def preserves_storage_sharing(self):
+        # DeepSpeed then skips its own clone_tensors_for_torch_save: stage() already gives every
+        # tensor a storage of its own elements, and cloning would copy the state a second time.
+        return False
+
+    def commit(self, info: CheckpointCommitInfo):
+        # DeepSpeed calls this at the end of save_checkpoint, before the files are written;
+        # completeness is Writer.wait()'s (see the module docstring).
+        return True
+
+
+def install(engine, writer: Writer, overlap: bool = True) -> StagingEngine:
+    """Make `engine` (a DeepSpeedEngine) save through `writer`. With `overlap`, parameters and
+    optimizer state are written from the live tensors beside the next step, and the engine's
+    `step` and `load_checkpoint` (the calls that change them in place) first wait for those writes."""
+    engine.checkpoint_engine = StagingEngine(writer, getattr(engine, "_config", None),
+                                             (lambda: optimizer_storages(engine)) if overlap else None)
+    if overlap:
+        for name in ("step", "load_checkpoint"):
+            _fence(engine, name, writer)
+    return engine.checkpoint_engine
+
+
+def _fence(engine, name: str, writer: Writer) -> None:
+    method = getattr(engine, name)
+
+    def fenced(*args, **kwargs):
+        writer.wait_live()
+        return method(*args, **kwargs)
+
+    # An instance attribute shadows the method (nn.Module stores plain callables in __dict__).
+    setattr(engine, name, fenced)

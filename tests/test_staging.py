@@ -1,0 +1,142 @@
+"""The staging checkpoint engine on a real one-rank DeepSpeed engine (gloo, no Ray)."""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from airay.checkpoint import staging
+
+
+def test_stage_keeps_live_tensors_without_copying_and_clones_the_rest():
+    from collections import OrderedDict, defaultdict
+
+    base = torch.zeros(10)
+    param, buffer = base[2:6], torch.ones(3)
+    counts = {"live": 0, "cloned": 0}
+    staged = staging.stage({"module": OrderedDict(param=param, buffer=buffer), "opt": defaultdict(list, {"s": [buffer]}),
+                            "lr": 0.1}, {base.untyped_storage().data_ptr()}, counts)
+    # The parameter is written from the live tensor (no copy), on a storage of its own 4 elements.
+    assert staged["module"]["param"].data_ptr() == param.data_ptr()
+    assert staged["module"]["param"].untyped_storage().nbytes() == 4 * 4
+    buffer.add_(7)  # forward updates a buffer in place after the save returned: its clone did not move
+    assert torch.equal(staged["module"]["buffer"], torch.ones(3)) and torch.equal(staged["opt"]["s"][0], torch.ones(3))
+    assert type(staged["module"]) is OrderedDict and staged["opt"].default_factory is list and staged["lr"] == 0.1
+    assert counts == {"live": 16, "cloned": 24}
+
+
+def test_own_storage_rewraps_contiguous_views_and_clones_strided_ones():
+    base = torch.arange(12.0)
+    view = staging.own_storage(base[3:7])
+    assert view.data_ptr() == base[3:7].data_ptr() and view.untyped_storage().nbytes() == 16
+    strided = staging.own_storage(base.view(3, 4)[:, 1])
+    assert strided.data_ptr() != base.data_ptr() and torch.equal(strided, torch.tensor([1.0, 5.0, 9.0]))
+    assert staging.own_storage(base) is base
+
+
+def test_writer_computes_each_files_crc_and_reraises_a_failed_write(tmp_path):
+    writer = staging.Writer()
+    writer.submit(str(tmp_path / "a.pt"), {"x": torch.arange(100)}, live=True)
+    writer.wait_live()
+    assert writer.wait() == 1
+    (path, (size, crc)), = writer.take_written().items()
+    data = (tmp_path / "a.pt").read_bytes()
+    assert (size, crc) == (len(data), zlib.crc32(data)) and torch.equal(torch.load(path)["x"], torch.arange(100))
+    writer.submit(str(tmp_path / "missing-dir" / "b.pt"), {}, live=False)
+    with pytest.raises(FileNotFoundError):
+        writer.wait()
+    writer.submit(str(tmp_path / "missing-dir" / "c.pt"), {}, live=False)
+    assert writer.wait(raise_errors=False) == 1 and writer.wait() == 0
+
+
+@pytest.fixture(params=[1, 3], ids=["zero1", "zero3"])
+def engine(request):
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from airay.models import tiny_gpt
+    from airay.policy import BatchPlan
+    from airay.worker import free_port
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_globals
+    from airay.worker.engine import build_engine
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+    disable_cpu_shm_comm()
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    reset_zero3_globals()
+    model = tiny_gpt.build(d_model=32, n_layers=2, n_heads=2, seq_len=8)
+    eng = build_engine(model, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                               "zero_optimization": {"stage": request.param}}, BatchPlan(1, 2, 2, 1), "cpu")
+    yield eng
+    eng.destroy()
+    dist.destroy_process_group()
+
+
+def _train_step(eng, seed):
+    from airay.models import tiny_gpt
+
+    g = torch.Generator().manual_seed(seed)
+    eng.backward(tiny_gpt.loss(eng, {"tokens": torch.randint(0, 256, (2, 9), generator=g)}))
+    eng.step()
+
+
+def _files(d):
+    return {str(p.relative_to(d)): p for p in sorted(d.rglob("*")) if p.is_file() and p.suffix == ".pt"}
+
+
+def test_staged_save_writes_the_state_at_the_save_in_deepspeeds_layout(engine, tmp_path):
+    import threading
+    import time
+
+    _train_step(engine, 0)
+    engine.save_checkpoint(str(tmp_path / "sync"), tag="native", save_latest=False)  # DeepSpeed's own engine
+    writer = staging.Writer()
+    staging.install(engine, writer)
+    hold = threading.Event()
+    writer._pool.submit(hold.wait)  # the writer is busy: this save's writes queue behind
+    engine.save_checkpoint(str(tmp_path / "staged"), tag="native", save_latest=False)
+    ck = engine.checkpoint_engine
+    # Parameters and optimizer state (nearly all the bytes) are written from the live tensors.
+    assert writer.writing() and ck.live_bytes > 9 * ck.cloned_bytes
+    # Training goes on: forward and backward while the writes wait, then the optimizer step, which
+    # waits for them (released a moment later: without that wait the step would update the
+    # weights and moments before they were written, and the files below would differ).
+    from airay.models import tiny_gpt
+
+    engine.backward(tiny_gpt.loss(engine, {"tokens": torch.randint(0, 256, (2, 9))}))
+    threading.Thread(target=lambda: (time.sleep(0.3), hold.set())).start()
+    engine.step()
+    assert writer.take_wait() > 0.2
+    _train_step(engine, 1)  # weights and optimizer state change after the files are written
+    assert writer.wait() >= 2  # model states and the ZeRO optimizer partition
+    written = writer.take_written()
+    sync, staged = _files(tmp_path / "sync"), _files(tmp_path / "staged")
+    assert set(staged) == set(sync) and {os.path.basename(p) for p in written} == {os.path.basename(n) for n in staged}
+    for name, path in staged.items():
+        data = path.read_bytes()
+        assert written[str(path)] == (len(data), zlib.crc32(data))  # computed as it was written
+        a, b = _tensors(torch.load(path, weights_only=False)), _tensors(torch.load(sync[name], weights_only=False))
+        assert a.keys() == b.keys() and a
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+        # Each tensor saved its own elements, not the flat buffer it views (ZeRO's).
+        assert path.stat().st_size < 2 * sync[name].stat().st_size
+    # And DeepSpeed loads it: the state at the save, not the later step's.
+    engine.load_checkpoint(str(tmp_path / "staged"), tag="native")
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.load_checkpoint(str(tmp_path / "sync"), tag="native")
+    assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+
+
+def _tensors(item, prefix=""):
+    if torch.is_tensor(item):
+        return {prefix: item}
+    out = {}
+    if isinstance(item, dict):
+        for k, v in item.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(item, (list, tuple)):
+        for i, v in enumerate(item):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out

@@ -151,17 +151,18 @@ def bad_block(kind: str) -> tuple[Any, Any]:
         owner = ray.remote(_BlockOwner).options(num_cpus=0).remote()
         (ref,) = ray.get(owner.block.remote())
         ray.kill(owner, no_restart=True)
-        # ray.kill returns before the process is gone: until it is, the block can still be
-        # fetched, and the fault would not strike.
+        # ray.kill returns before the process is gone, and the object stays fetchable until its
+        # owner's death has reached the cluster: wait until a fetch of it fails here, so it fails
+        # for the rank too (else the fault would not strike).
         deadline = time.time() + 30
         while time.time() < deadline:
             try:
-                ray.get(owner.__ray_ready__.remote(), timeout=1)
-            except ray.exceptions.RayActorError:
+                ray.get(ref, timeout=2)
+            except ray.exceptions.ObjectLostError:
                 break
             except ray.exceptions.GetTimeoutError:
-                continue
-            time.sleep(0.05)
+                pass
+            time.sleep(0.1)
         return ref, lambda: None
     ref = ray.remote(_never_scheduled).options(num_cpus=0, resources={"airay_chaos_never": 1}).remote()
     return ref, lambda: ray.cancel(ref, force=True)
@@ -171,7 +172,9 @@ class _BlockOwner:
     def block(self) -> list:
         import ray
 
-        return [ray.put({"sample_id": [0]})]  # in a list: the object stays owned by this actor
+        # In a list: the object stays owned by this actor. Large (1 MiB, in the object store): a
+        # small one would travel inlined in this call's reply and stay fetchable without its owner.
+        return [ray.put({"sample_id": [0], "pad": b"x" * (1 << 20)})]
 
 
 def _never_scheduled() -> None:

@@ -148,7 +148,9 @@ class Controller:
             if self.feeder is not None:
                 self.feeder.close()
             if self.group is not None:
-                self.ckpt.abandon()  # uploads still running die with their ranks: say so
+                # A failed run still commits the checkpoints its ranks have written (bounded), and
+                # records the ones it leaves unfinished.
+                self.ckpt.settle(timeout_s=60.0 if self.state == State.FAILED else 0.0)
                 try:
                     # A finished run's last checkpoint is durable: its memory tier goes. Otherwise
                     # the newest memory steps stay, for a re-run on these nodes to resume from.

@@ -55,8 +55,12 @@ def prepare(spec: str, overrides: list[str], run_dir: str | None, working_dir: s
 
 
 def client(address: str | None):
+    """The Job API client. A cluster started with `ray start` uses token authentication when a
+    token exists (~/.ray/auth_token); the client then sends it, as `ray job submit` does."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
     from ray.job_submission import JobSubmissionClient
 
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     return JobSubmissionClient(address)
 
 

@@ -290,6 +290,15 @@ class WorkerGroup:
         of it to durable storage, all in parallel (each in its upload thread); returns the refs."""
         return [m.actor.upload.remote(step, location) for m in members]
 
+    def upload_from_store(self, step: int, names: list[str], location: str, nodes: list[str]):
+        """A node's store uploads files of `step` it holds (a lost rank's, from its own node or
+        its peer copy): the first of `nodes` whose store is alive; returns the call's ref."""
+        stores = self._live_stores()
+        node = next((n for n in nodes if n in stores), None)
+        if node is None:
+            return ray.put(RuntimeError(f"no live node holds {names[:2]} of step {step}"))
+        return stores[node].upload.remote(step, names, location)
+
     def load(self, ckpt: CheckpointInfo, durable: str | None) -> tuple[list[RankOutcome], list]:
         """Every rank loads `ckpt` from the nearest good copy of each file it needs (its node's
         memory, a peer's, durable storage `durable`), resharded when the world size changed. In
@@ -300,16 +309,18 @@ class WorkerGroup:
                  for name, nodes in ckpt.holders.items()}
         spec = {"step": ckpt.step, "manifest": ckpt.manifest.to_json(), "memory_base": self.memory_base,
                 "peers": peers, "durable": durable}
-        outcomes, values = self._gather([m.actor.prepare_load.remote(spec) for m in self.active])
+        outcomes, values = self._gather([m.actor.prepare_load.remote(spec) for m in self.active], collective=False)
         if any(o.kind != "ok" for o in outcomes):
             return outcomes, values
         outcomes, loaded = self._gather([m.actor.load.remote(ckpt.step) for m in self.active])
         return outcomes, [{**v, **(lv or {})} for v, lv in zip(values, loaded)]
 
-    def _gather(self, refs: list, hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
+    def _gather(self, refs: list, hang_timeout_s: float | None = None,
+                collective: bool = True) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
-        (their collectives fail fast when a peer's sockets close); ranks still silent then are
-        counted as lost. With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
+        (their collectives fail fast when a peer's sockets close: a `collective` call's failure
+        wakes them with abort_world; a call that uses no collective leaves the world alone);
+        ranks still silent then are counted as lost. With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
         that makes no progress that long (airay.health.find_hung) is killed as hung."""
         by_ref = {ref: rank for rank, ref in enumerate(refs)}
         outcomes: dict[int, RankOutcome] = {}
@@ -352,7 +363,7 @@ class WorkerGroup:
                 self.first_failure_ts = time.time()
                 deadline = self.first_failure_ts + self.drain_s
                 # The world is broken: wake every rank still inside a collective.
-                for ref, rank in by_ref.items():
+                for ref, rank in by_ref.items() if collective else ():
                     self.active[rank].actor.abort_world.remote()
             if deadline is not None and time.time() >= deadline:
                 break

@@ -95,7 +95,9 @@ def measured_costs(events: list[dict], metrics: list[dict]) -> dict:
     full = max(m["world_size"] for m in metrics)
     return {"window_s": end - formed, "startup_s": formed - events[0]["ts"], "full_world": full,
             "step_s": statistics.median(m["step_time_s"] for m in metrics if m["world_size"] == full),
-            "blocking_s": statistics.median(e["blocking_s"] for e in events if e["type"] == "checkpoint_saved"),
+            # What a save held the step loop (the memory-tier event of each save carries it).
+            "blocking_s": statistics.median(e["held_s"] for e in events
+                                            if e["type"] == "checkpoint_saved" and e["tier"] == "memory"),
             "recovery_s": statistics.median(e["recovery_s"] for e in events
                                             if e["type"] == "resize_finished" and e["reason"] == "failure"),
             # None when no replacement came (a node loss with no spare node)

@@ -35,7 +35,7 @@ KILL_STEP = 7
 
 def job(run_dir: Path, chaos: list, max_steps: int, checkpoint_path: str | None = None) -> JobConfig:
     return JobConfig.from_dict({
-        "name": run_dir.name,
+        "name": "recovery-bench",  # one job: the cold run resumes the seed run's checkpoint
         "model": {"factory": "airay.models.tiny_gpt:build"},
         "loss_fn": "airay.models.tiny_gpt:loss",
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}},

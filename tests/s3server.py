@@ -58,7 +58,7 @@ def s3_server(hold: Callable[[str], bool] | None = None):
         return (f"s3://{bucket}/{prefix}?endpoint_override=http://{host}:{port}&region=us-east-1"
                 "&allow_bucket_creation=true")
 
-    from airay.storage import Storage
+    from airay.checkpoint.storage import Storage
 
     Storage(bucket_uri("x")).fs.create_dir(bucket)
     try:

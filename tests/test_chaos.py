@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from airay.chaos import corrupt_checkpoint, round_faults, spoil_rows
+from airay.chaos import damage_checkpoint, round_faults, spoil_rows
 from airay.config import ChaosSpec
 
 
@@ -35,15 +35,46 @@ def test_exhaust_memory_raises_memory_error_within_its_cap():
     assert int(out[1]) < 600 * 1024  # peak RSS in KiB: the cap kept it to a small headroom
 
 
-def test_corrupt_checkpoint_keeps_size_and_changes_bytes(tmp_path):
-    (tmp_path / "universal").mkdir()
-    big = tmp_path / "universal" / "w.pt"
-    big.write_bytes(bytes(range(256)) * 8)
-    (tmp_path / "universal" / "small.pt").write_bytes(b"x")
-    before = big.read_bytes()
-    assert corrupt_checkpoint(tmp_path, "universal") == "universal/w.pt"
-    after = big.read_bytes()
-    assert len(after) == len(before) and after != before
+def test_checkpoint_faults_pick_their_file_and_copies(tmp_path):
+    """corrupt_checkpoint damages every copy (each node's, the durable one, same size: only
+    checksums tell); corrupt_memory_copy the rank's own copy of its largest file; lose_node_memory
+    the rank's node's copies."""
+    from types import SimpleNamespace
+
+    from airay.checkpoint.layout import CheckpointInfo, FileEntry, Manifest
+    from airay.checkpoint.storage import Storage
+
+    files = {"mp_rank_00_model_states.pt": FileEntry(900, 1, 0), "zero_pp_rank_0_mp_rank_00_optim_states.pt":
+             FileEntry(500, 2, 0), "zero_pp_rank_1_mp_rank_00_optim_states.pt": FileEntry(500, 3, 1)}
+    manifest = Manifest(10, 2, 2, {}, files)
+    memory = CheckpointInfo(10, 2, 1900, "memory", "memory:step_00000010", manifest=manifest)
+    durable = CheckpointInfo(10, 2, 1900, "durable", "d", manifest=manifest)
+    calls = []
+
+    class Group:
+        def member(self, rank):
+            return SimpleNamespace(node_id=f"node{rank}")
+
+        def damage_memory(self, step, name, nodes=None):
+            calls.append(("damage", step, name, nodes))
+            return [f"{n or 'every node'}:{name}" for n in (nodes or [None])]
+
+        def drop_memory(self, step, node):
+            calls.append(("drop", step, node))
+            return ["x.pt"]
+
+    storage = Storage(str(tmp_path))
+    big = bytes(range(256)) * 4
+    storage.write_bytes("step_00000010/mp_rank_00_model_states.pt", big)
+    done = damage_checkpoint("corrupt_checkpoint", [memory, durable], Group(), 1, storage)
+    assert done["file"] == "mp_rank_00_model_states.pt" and calls[-1] == ("damage", 10, done["file"], None)
+    after = storage.read_bytes("step_00000010/mp_rank_00_model_states.pt")
+    assert len(after) == len(big) and after != big and len(done["copies"]) == 2
+    done = damage_checkpoint("corrupt_memory_copy", [memory, durable], Group(), 1, storage)
+    assert done["file"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt" and done["node_id"] == "node1"
+    assert calls[-1] == ("damage", 10, done["file"], ["node1"])
+    done = damage_checkpoint("lose_node_memory", [memory, durable], Group(), 0, storage)
+    assert calls[-1] == ("drop", 10, "node0") and done["removed"] == ["x.pt"]
 
 
 def test_spoil_rows_replaces_only_the_ranks_rows_and_keeps_every_offset():

@@ -123,8 +123,10 @@ def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tm
         # Step 15 went to memory while step 10 was still uploading (held): a save waits for the
         # previous one's files, never for an upload, so 15 is committed before 10 is on S3.
         assert first_hold, "step 10's upload was never held"
-        assert [(e["step"], e["tier"]) for e in saved] == [(5, "memory"), (10, "memory"), (15, "memory"),
-                                                          (10, "durable"), (20, "memory"), (20, "durable")]
+        order = [(e["step"], e["tier"]) for e in saved]
+        assert sorted(order) == [(5, "memory"), (10, "durable"), (10, "memory"), (15, "memory"), (20, "durable"),
+                                 (20, "memory")]
+        assert order.index((15, "memory")) < order.index((10, "durable"))
         memory_saves = {e["step"]: e for e in saved if e["tier"] == "memory"}
         durable_saves = {e["step"]: e for e in saved if e["tier"] == "durable"}
         assert memory_saves[15]["previous_commit_wait_s"] < durable_saves[10]["upload_s"]
@@ -132,10 +134,14 @@ def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tm
             # One figure for what a save held the step loop: the call, the wait for the previous
             # save, and the next step's wait for this save's live writes.
             assert e["held_s"] == pytest.approx(e["blocking_s"] + e["previous_commit_wait_s"] + e["checkpoint_wait_s"])
-            assert 0 < e["blocking_s"] < e["total_s"] and e["bytes"] > 0 and len(e["peer_nodes"]) == 3
-        # Every rank uploaded its own files, the three at once.
-        windows = durable_saves[10]["upload_windows"]
-        assert len(windows) == 3 and max(a for a, _ in windows) < min(b for _, b in windows)
+            # Each node's ranks copied their files to the next node: every node holds a peer copy.
+            assert 0 < e["blocking_s"] < e["total_s"] and e["bytes"] > 0 and len(e["peer_nodes"]) == e["world_size"]
+        # Every rank uploads its own files, all at once (step 20: the world of 2 after the kill).
+        windows = durable_saves[20]["upload_windows"]
+        assert len(windows) == 2 and max(a for a, _ in windows) < min(b for _, b in windows)
+        # Step 10's uploads were held until after the kill at step 17: a rank lost mid-upload has
+        # its files uploaded by its node's store from the node's memory instead.
+        assert durable_saves[10]["retried_ranks"] in ([], [1]) and len(durable_saves[10]["upload_windows"]) == 3
         assert all(e["path"].startswith("s3://") for e in durable_saves.values())
         manifest = json.loads(Storage(ckpt["path"]).read_bytes("step_00000010/manifest.json"))
         assert sorted({rank for _, _, rank in manifest["files"].values()}) == [0, 1, 2]

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from airay import JobConfig, fit
-from airay.checkpoint import step_dir
+from airay.checkpoint.layout import step_name
 from airay.events import committed_losses, read_jsonl
 from tests.conftest import assert_released
 
@@ -39,7 +39,7 @@ def write_token_parquet(root, rows, files=3, seq_len=32):
 
 def spec(tmp_path, name, data_dir, chaos=(), data_extra=None, **overrides):
     data = {
-        "name": name,
+        "name": "stream",  # one job: the restarted driver resumes the faulty run's checkpoints
         "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.08}},
         "loss_fn": "airay.models.tiny_gpt:loss",
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
@@ -107,7 +107,7 @@ def test_samples_and_losses_survive_faults_regrow_and_driver_restart(tmp_path, l
     assert first.status == "finished" and first.final_step == 48
     assert first.world_sizes[:4] == [4, 3, 4, 3]  # shrank, regrew, lost a node
     assert len(events(first.run_dir, "node_lost")) == 1 and len(events(first.run_dir, "worker_failed")) == 1
-    shutil.rmtree(step_dir(ckpt, 48))
+    shutil.rmtree(ckpt / step_name(48))
     data_faults = [{"fault": "lose_data_block", "at_step": 52, "rank": 1},
                    {"fault": "stall_data_block", "at_step": 57, "rank": 2}]
     second = fit(spec(tmp_path, "restart", data_dir, data_faults, data_extra={"fetch_timeout_s": 4},

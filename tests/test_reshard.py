@@ -151,3 +151,31 @@ def test_reshard_at_load_equals_deepspeeds_universal_checkpoint(tmp_path, stage,
         # Each new rank read at most the old partitions that overlap its own (plus the model file).
         optim = [n for n in r["need"] if "optim_states" in n]
         assert 1 <= len(optim) <= -(-old // new) + 1, (rank, optim)
+
+
+def test_reshard_zero12_slices_each_partition_and_keeps_empty_state_empty():
+    """The slicing itself, on small made-up partitions: 2 old ranks of 5 elements (total 9, one
+    of padding) to 3 new ranks of 3; and a save before the optimizer's first step (no state)."""
+    from airay.checkpoint import reshard
+
+    flat = torch.arange(9.0)
+
+    def old_file(r, with_state=True):
+        part = torch.cat([flat, torch.zeros(1)])[r * 5:(r + 1) * 5]
+        base = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": part * 10}} if with_state else {},
+                "param_groups": [{"lr": 0.1, "params": [0]}]}
+        return {"optimizer_state_dict": {"base_optimizer_state": base,
+                                         "single_partition_of_fp32_groups": [flat[r * 5:min((r + 1) * 5, 9)]],
+                                         "group_paddings": [1 if r == 1 else 0], "partition_count": [2]}}
+
+    old = {r: old_file(r) for r in (0, 1)}
+    for rank, want in enumerate(([0, 1, 2], [3, 4, 5], [6, 7, 8])):
+        new = reshard.reshard_zero12(old, 2, rank, 3, [5], [3], [9])["optimizer_state_dict"]
+        assert new["single_partition_of_fp32_groups"][0].tolist() == want
+        assert new["base_optimizer_state"]["state"][0]["exp_avg"].tolist() == [10 * w for w in want]
+        assert new["base_optimizer_state"]["state"][0]["step"].item() == 3.0
+        assert new["partition_count"] == [3] and new["group_paddings"] == [0]
+    assert reshard.ranks_needed(2, 2, 1, 3, partitions=[5], new_partitions=[3], totals=[9]) == [0, 1]
+    empty = {r: old_file(r, with_state=False) for r in (0, 1)}
+    new = reshard.reshard_zero12(empty, 2, 2, 3, [5], [3], [9])["optimizer_state_dict"]
+    assert new["base_optimizer_state"]["state"] == {} and new["single_partition_of_fp32_groups"][0].tolist() == [6, 7, 8]

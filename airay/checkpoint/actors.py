@@ -66,6 +66,19 @@ class NodeStore:
             f.seek(offset)
             return f.read(size)
 
+    def upload(self, step: int, names: list[str], location: str) -> dict:
+        """Upload files of `step` this node holds to durable storage (for a rank lost mid-upload);
+        returns {file: [size, crc32]} of the bytes sent, as a rank's upload does."""
+        import time
+
+        from airay.checkpoint.layout import step_name
+        from airay.checkpoint.storage import Storage
+
+        storage, start = Storage(location), time.time()
+        sent = {name: list(storage.upload_file(self.tier.step_dir(step) / name, f"{step_name(step)}/{name}"))
+                for name in names}
+        return {"files": sent, "window": [start, time.time()]}
+
     def prune(self, keep: list[int]) -> list[int]:
         return self.tier.prune(set(keep))
 

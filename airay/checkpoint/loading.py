@@ -68,8 +68,9 @@ def fetch_verified(name: str, expect: tuple[int, int], source: Source, step: int
                 got = file_crc(local)
                 if got == tuple(expect):
                     return str(local), "local", bad
+                # Left in place until a good copy replaces it (atomically): another node may be
+                # reading it now, and must see a whole file, bad or good, never a missing one.
                 bad.append({"file": name, "copy": "local", "reason": _mismatch(got, expect)})
-                local.unlink()
             tmp = local.with_name(f".{name}.part")
             for node_id, store in source.peers.get(name, []):
                 try:

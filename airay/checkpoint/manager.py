@@ -37,6 +37,10 @@ class PendingSave:
     previous_commit_wait_s: float
     refs: list = field(default_factory=list)  # the ranks' persist calls, then their uploads
     members: list = field(default_factory=list)  # the ranks that saved it (they upload their own files)
+    holders: dict = field(default_factory=dict)  # rank -> the nodes holding its files (its own, its peer)
+    uploaded: dict = field(default_factory=dict)  # rank -> its upload's report, as they come in
+    retried: bool = False  # the files of ranks lost mid-upload were handed to their nodes' stores
+    lost: list = field(default_factory=list)  # those ranks
     manifest: Manifest | None = None
     memory_ts: float = 0.0  # when it was committed to memory
     upload_t0: float = 0.0
@@ -149,6 +153,7 @@ class Checkpointer:
             return
         save.manifest = Manifest.from_reports(save.step, save.world_size, self.zero_stage, self.job, reports,
                                               time.time())
+        save.holders = {rank: [n for n in (r["node_id"], r.get("peer_node")) if n] for rank, r in enumerate(reports)}
         peers = sorted({r["peer_node"] for r in reports if r.get("peer_node")})
         self._group.commit_memory(save.step, save.manifest.to_json())
         save.memory_ts = time.time()
@@ -177,8 +182,22 @@ class Checkpointer:
 
     def _finish_upload(self) -> None:
         save = self._uploads.running
+        lost = self._collect_uploads(save)
+        if lost and not save.retried:
+            # A rank died mid-upload: its files are still in its node's memory (or in its peer's
+            # copy); that node's store uploads them instead. Once: a second loss fails the step.
+            save.retried = True
+            save.refs = []
+            for rank in lost:
+                names = sorted(n for n, f in save.manifest.files.items() if f.rank == rank)
+                save.refs.append(self._group.upload_from_store(save.step, names, self.durable.location,
+                                                               save.holders.get(rank, [])))
+            save.lost = lost
+            return
         try:
-            reports = _gather(save.refs, UPLOAD_TIMEOUT_S)
+            if lost:
+                raise RuntimeError(f"ranks {sorted(lost)} were lost before their files were uploaded")
+            reports = list(save.uploaded.values())
             sent = {n: tuple(v) for r in reports for n, v in r["files"].items()}
             expect = {n: (f.size, f.crc32) for n, f in save.manifest.files.items()}
             if sent != expect:
@@ -196,10 +215,17 @@ class Checkpointer:
                            tier="durable", bytes=save.manifest.bytes, world_size=save.world_size,
                            upload_s=committed - save.upload_t0, upload_wait_s=save.upload_t0 - save.memory_ts,
                            total_s=committed - save.t0, pruned=pruned,
-                           upload_windows=[r["window"] for r in reports])
+                           upload_windows=[r["window"] for r in reports], retried_ranks=sorted(save.lost))
         following = self._uploads.finished()
         if following is not None:
             self._start_upload(following)
+
+    def _collect_uploads(self, save: PendingSave) -> list[int]:
+        """Gather the upload calls in flight into save.uploaded; returns the ranks whose failed."""
+        keys = save.lost if save.retried else list(range(len(save.refs)))
+        done, failed = _upload_results(save.refs, keys, UPLOAD_TIMEOUT_S)
+        save.uploaded.update(done)
+        return failed
 
     def _prune_memory(self) -> None:
         """Keep the newest memory_keep_last committed steps on every node (and steps still
@@ -210,9 +236,22 @@ class Checkpointer:
         self.memory_steps = [s for s in self.memory_steps if s in keep]
         self._group.prune_memory(sorted(keep))
 
-    def abandon(self) -> None:
-        """The run ends without waiting (it failed): uploads not finished are recorded as failed,
-        so no durable step disappears without a word."""
+    def settle(self, timeout_s: float) -> None:
+        """The run ends early (it failed): commit what the ranks finish within `timeout_s` (a
+        step whose files are written and uploaded is not lost to an unwritten manifest), then
+        record what is left as failed, so no durable step disappears without a word."""
+        import ray
+
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            pending = self._inflight or self._uploads.running
+            if pending is None:
+                break
+            refs = pending.refs
+            if refs and len(ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.time()))[0]) < len(refs):
+                break
+            self._finish_persist() if pending is self._inflight else self._finish_upload()
+        self._inflight = None
         for save in self._uploads.items():
             self.rec.event("checkpoint_failed", step=save.step, tier="durable",
                            error="the run ended before its upload to durable storage finished")
@@ -242,6 +281,19 @@ class Checkpointer:
             group.prune_memory(self.memory_steps, also_drop=[info.step])
         self.rec.event("checkpoint_rejected", step=info.step, tier=info.tier, path=info.path, moved_to=moved,
                        reason=reason)
+
+
+def _upload_results(refs: list, keys: list, timeout_s: float) -> tuple[dict, list]:
+    """Each call's report by its key, and the keys whose call failed."""
+    import ray
+
+    done, failed = {}, []
+    for key, ref in zip(keys, refs):
+        try:
+            done[key] = ray.get(ref, timeout=timeout_s)
+        except Exception:  # the rank or store died, or its storage failed: the caller decides
+            failed.append(key)
+    return done, failed
 
 
 def _all_ready(refs: list) -> bool:

@@ -100,9 +100,9 @@ def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_worl
     new_state, fp32 = {}, []
     for g, (part, new_part, total) in enumerate(zip(partitions, new_partitions, totals)):
         lo = new_rank * new_part
-        keys = base["state"][g]
-        new_state[g] = {}
-        for key, value in keys.items():
+        if g in base["state"]:  # no state before the optimizer's first step (a save at step 0)
+            new_state[g] = {}
+        for key, value in base["state"].get(g, {}).items():
             if hasattr(value, "numel") and value.dim() == 1 and value.numel() == part:
                 new_state[g][key] = gather(lambda r: old[r][OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]["state"][g][key],
                                            part, old_world, lo, lo + new_part, total)
@@ -147,8 +147,9 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     flats, new_state = [], {}
     for g, numels in enumerate(param_numels):
         flats.append(reslice(numels, lambda r: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][g]))
-        new_state[g] = {}
-        for key, value in torch_sd["state"][g].items():
+        if g in torch_sd["state"]:  # no state before the optimizer's first step
+            new_state[g] = {}
+        for key, value in torch_sd["state"].get(g, {}).items():
             if hasattr(value, "numel") and value.dim() == 1 and value.numel() > 1:
                 new_state[g][key] = reslice(numels, lambda r: old[r][OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT]
                                             ["state"][g][key])

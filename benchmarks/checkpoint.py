@@ -16,8 +16,10 @@ its replacement grows the world back to 4 (resharded again). Reported per size:
                      (`held_s` of checkpoint_saved), median, against DeepSpeed's synchronous
                      save_checkpoint of the same state (same model, ZeRO-2, 4 gloo processes,
                      no Ray) to a local directory, timed on the slowest rank
-  commit to memory   the ranks' write + peer copy of a memory save (slowest rank), and the
-                     shard bytes per second it commits, aggregated over the ranks
+  commit to memory   from the save to every rank's files written in its node's memory (slowest
+                     rank), and the shard bytes per second that commits, aggregated over the
+                     ranks; then each node's files are copied to the next node in the background
+                     (peer copy, reported apart)
   reshard reload     checkpoint_loaded.load_s of the shrink (4 -> 3), from the memory tier
   recovery_s         detection of the kill to the first step at the new size
 
@@ -143,14 +145,15 @@ def airay_run(d_model: int, work: Path) -> dict:
             ratios.append(max(r for _, r in samples) / max(before))
     loaded = [e for e in events if e["type"] == "checkpoint_loaded" and e["resharded"]]
     shrink = next(e for e in events if e["type"] == "resize_finished" and e["reason"] == "failure")
-    commit = [e["write_s"] + e["copy_s"] for e in saves]
+    commit = [e["write_s"] for e in saves]  # every rank's files written: the step can be committed
+    copies = [e["copy_s"] for e in events if e["type"] == "checkpoint_copied"]
     return {
         "bytes": saves[-1]["bytes"], "saves": len(saves),
         "driver_node_peak_rss": sum(rss.driver_node.values()), "driver_peak_rss": rss.driver_node.get(os.getpid(), 0),
         "driver_node_processes": len(rss.driver_node),
         "worker_peak_rss": max(max(r for _, r in s) for s in rss.workers.values()),
         "worker_rss_vs_footprint": max(ratios) if ratios else None,
-        "held_s": [e["held_s"] for e in saves], "commit_s": commit,
+        "held_s": [e["held_s"] for e in saves], "commit_s": commit, "copy_s": copies,
         "commit_gb_per_s": statistics.median(e["bytes"] / c / 1e9 for e, c in zip(saves, commit)),
         "reshard_load_s": [e["load_s"] for e in loaded], "reshard_copies": [e["copies"] for e in loaded],
         "recovery_s": shrink["recovery_s"], "world_sizes": result.world_sizes,
@@ -219,7 +222,8 @@ def main() -> int:
             params = sum(p.numel() for p in tiny_gpt.build(**model_kwargs(d_model)).parameters())
         row = {"d_model": d_model, "parameters": params, **r, "sync_save_s": sync,
                "held_median_s": med(r["held_s"]), "held_vs_sync": med(r["held_s"]) / sync,
-               "commit_median_s": med(r["commit_s"]), "reshard_load_median_s": med(r["reshard_load_s"])}
+               "commit_median_s": med(r["commit_s"]), "copy_median_s": med(r["copy_s"]) if r["copy_s"] else None,
+               "reshard_load_median_s": med(r["reshard_load_s"])}
         rows.append(row)
         print(f"d_model {d_model} ({params / 1e6:.1f}M parameters): checkpoint {row['bytes'] / 2**20:.0f} MiB; "
               f"driver-node peak RSS {row['driver_node_peak_rss'] / 2**20:.0f} MiB over {row['driver_node_processes']} "
@@ -227,7 +231,7 @@ def main() -> int:
               f"{row['worker_peak_rss'] / 2**20:.0f} MiB, x{row['worker_rss_vs_footprint']:.2f} its footprint; "
               f"held per save {row['held_median_s']:.3f} s vs DeepSpeed sync save {sync:.3f} s "
               f"(ratio {row['held_vs_sync']:.3f}); commit to memory {row['commit_median_s']:.2f} s "
-              f"({row['commit_gb_per_s']:.2f} GB/s); reshard reload {row['reshard_load_median_s']:.2f} s; "
+              f"({row['commit_gb_per_s']:.2f} GB/s), peer copy {row['copy_median_s'] or 0:.2f} s; reshard reload {row['reshard_load_median_s']:.2f} s; "
               f"recovery_s {row['recovery_s']:.2f}; worlds {row['world_sizes']}", flush=True)
     flat = max(r["driver_node_peak_rss"] for r in rows) / min(r["driver_node_peak_rss"] for r in rows)
     out = {"sizes": rows, "workers": WORKERS, "driver_node_rss_growth": flat,

@@ -212,13 +212,14 @@ def render_checkpoint(ck: dict) -> list[str]:
             "No sleep: every step is CPU work. Baseline: DeepSpeed's synchronous save_checkpoint of the same "
             "state (ZeRO-2, 4 gloo processes) to a local directory, slowest rank, in the same invocation.", "",
             "| d_model | parameters | checkpoint MiB | driver-node peak RSS MiB | worker peak RSS / footprint "
-            "| held per save s | DeepSpeed sync save s | held / sync | commit to memory s | GB/s | reshard reload s "
-            "| recovery_s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| held per save s | DeepSpeed sync save s | held / sync | commit to memory s | GB/s | peer copy s "
+            "| reshard reload s | recovery_s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *[f"| {r['d_model']} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / mib:.0f} | "
               f"{r['driver_node_peak_rss'] / mib:.0f} | {r['worker_rss_vs_footprint']:.2f} | {r['held_median_s']:.3f} | "
               f"{r['sync_save_s']:.3f} | {r['held_vs_sync']:.3f} | {r['commit_median_s']:.2f} | "
-              f"{r['commit_gb_per_s']:.2f} | {r['reshard_load_median_s']:.2f} | {r['recovery_s']:.2f} |" for r in rows],
+              f"{r['commit_gb_per_s']:.2f} | {r.get('copy_median_s') or 0:.2f} | {r['reshard_load_median_s']:.2f} | "
+              f"{r['recovery_s']:.2f} |" for r in rows],
             "",
             f"Driver-node peak RSS, largest / smallest size: **x{ck['driver_node_rss_growth']:.2f}** (target ≤ 1.5); "
             f"worker peak RSS / footprint, worst: **x{ck['worst_worker_rss_vs_footprint']:.2f}** (target ≤ 1.5); "

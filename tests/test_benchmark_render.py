@@ -33,12 +33,13 @@ def test_checkpoint_section_has_a_row_per_size_and_the_targets():
 
     row = {"d_model": 256, "parameters": 6.5e6, "bytes": 80 * 2**20, "driver_node_peak_rss": 700 * 2**20,
            "worker_rss_vs_footprint": 1.2, "held_median_s": 0.02, "sync_save_s": 0.5, "held_vs_sync": 0.04,
-           "commit_median_s": 0.1, "commit_gb_per_s": 0.8, "reshard_load_median_s": 0.3, "recovery_s": 1.5}
+           "commit_median_s": 0.1, "commit_gb_per_s": 0.8, "copy_median_s": 0.2, "reshard_load_median_s": 0.3,
+           "recovery_s": 1.5}
     ck = {"sizes": [row, {**row, "d_model": 1024, "parameters": 1.0e8}], "workers": 4, "driver_node_rss_growth": 1.1,
           "worst_worker_rss_vs_footprint": 1.2, "min_commit_gb_per_s": 0.8, "largest_recovery_s": 1.5,
           "worst_held_vs_sync": 0.04}
     text = "\n".join(render_checkpoint(ck))
-    assert "| 256 | 6.5M | 80 | 700 | 1.20 | 0.020 | 0.500 | 0.040 | 0.10 | 0.80 | 0.30 | 1.50 |" in text
+    assert "| 256 | 6.5M | 80 | 700 | 1.20 | 0.020 | 0.500 | 0.040 | 0.10 | 0.80 | 0.20 | 0.30 | 1.50 |" in text
     assert "| 1024 | 100.0M |" in text
     assert "**x1.10** (target ≤ 1.5)" in text and "**0.80 GB/s** (target ≥ 1)" in text
     assert "**0.040** (target ≤ 0.10)" in text

@@ -159,12 +159,12 @@ class Checkpointer:
         save.memory_ts = time.time()
         self.memory_steps = [s for s in self.memory_steps if s != save.step] + [save.step]
         held = save.blocking_s + save.previous_commit_wait_s + self.step_wait.get(save.step, 0.0)
-        copy_s = max(r.get("copy_s", 0.0) for r in reports)
+        self._record_copies([c for r in reports for c in r.get("copied", [])])
         self.rec.event("checkpoint_saved", step=save.step, path=f"memory:{step_name(save.step)}", tier="memory",
                        blocking_s=save.blocking_s, previous_commit_wait_s=save.previous_commit_wait_s,
                        checkpoint_wait_s=self.step_wait.get(save.step, 0.0), held_s=held,
                        total_s=save.memory_ts - save.t0, bytes=save.manifest.bytes, world_size=save.world_size,
-                       write_s=max(r["write_s"] for r in reports), copy_s=copy_s, peer_nodes=peers,
+                       write_s=max(r["write_s"] for r in reports), peer_nodes=peers,
                        durable_pending=save.durable)
         if save.durable:
             start, superseded = self._uploads.add(save)
@@ -175,6 +175,17 @@ class Checkpointer:
             if start is not None:
                 self._start_upload(start)
         self._prune_memory()
+
+    def _record_copies(self, copies: list[dict]) -> None:
+        """The ranks' peer copies of earlier steps that finished (reported with a later save)."""
+        by_step: dict[int, list[dict]] = {}
+        for c in copies:
+            by_step.setdefault(c["step"], []).append(c)
+        for step, cs in sorted(by_step.items()):
+            failed = [{"rank": c["rank"], "error": c["error"]} for c in cs if not c["ok"]]
+            self.rec.event("checkpoint_copied", step=step, copy_s=max(c["copy_s"] for c in cs),
+                           bytes=sum(c["bytes"] for c in cs), peer_nodes=sorted({c["peer_node"] for c in cs}),
+                           failed=failed)
 
     def _start_upload(self, save: PendingSave) -> None:
         save.upload_t0 = time.time()

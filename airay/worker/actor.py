@@ -81,6 +81,10 @@ class TrainWorker:
 
         self._ckpt_writer = Writer()  # writes checkpoint files off the step loop (airay.checkpoint.staging)
         self._saving: dict | None = None  # the save staged last: step, directory, layout
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="airay-ckpt-copy")  # peer copies
+        self._copying: dict[int, Any] = {}  # step -> its peer copy's future
         self._persisted: dict[int, dict] = {}  # step -> this rank's files of it in node memory
         self._load_plan = None  # what prepare_load found, for load
         self.preemption_handled = _catch_sigterm(self._on_sigterm)
@@ -224,30 +228,47 @@ class TrainWorker:
 
     @ray.method(concurrency_group="io")
     def persist(self, step: int, peer=None, peer_node: str | None = None) -> dict[str, Any]:
-        """Finish writing this rank's files of `step` and copy them to the peer node's store;
-        returns {file: [size, crc32]} (computed as they were written) for the manifest. Runs
+        """Finish writing this rank's files of `step`; returns {file: [size, crc32]} (computed as
+        they were written) for the manifest. Then their copy to the peer node's store starts in
+        the background (its outcome comes with the next persist's report: `copied`). Runs
         beside the step loop (its own thread)."""
         from pathlib import Path
-
-        from airay.checkpoint.actors import push_copy
 
         saving = self._saving
         if saving is None or saving["step"] != step:
             raise RuntimeError(f"rank {self.rank} has no save of step {step} to persist")
         self._ckpt_writer.wait()  # the files are complete (a failed write fails this save)
         written = {Path(p).name: list(v) for p, v in self._ckpt_writer.take_written().items()}
-        t_written = time.perf_counter()
-        copied = True
-        if peer is not None:
-            copied = all(push_copy(peer, step, Path(saving["dir"]) / name, *v) for name, v in written.items())
-            if not copied:
-                raise RuntimeError(f"rank {self.rank}: the copy of step {step} to node {peer_node} did not arrive whole")
+        write_s = time.perf_counter() - saving["t0"]
         self._persisted[step] = {"dir": saving["dir"], "files": written}
         for old in sorted(self._persisted)[:-4]:  # what later uploads may still need, no more
             del self._persisted[old]
+        copied = self._take_copies()
+        if peer is not None:
+            self._copying[step] = self._copier.submit(self._copy_to_peer, step, saving["dir"], written, peer, peer_node)
         return {"files": written, "layout": saving["layout"], "node_id": self.node_id,
-                "peer_node": peer_node if peer is not None else None,
-                "write_s": t_written - saving["t0"], "copy_s": time.perf_counter() - t_written}
+                "peer_node": peer_node if peer is not None else None, "write_s": write_s, "copied": copied}
+
+    def _copy_to_peer(self, step: int, directory: str, written: dict, peer, peer_node: str) -> dict[str, Any]:
+        """Copy this rank's files of a step to the peer node's store (chunks through the object
+        store, two in flight); the files stay in node memory meanwhile, so nothing waits for it."""
+        from pathlib import Path
+
+        from airay.checkpoint.actors import push_copy
+
+        t0 = time.perf_counter()
+        try:
+            ok = all(push_copy(peer, step, Path(directory) / name, *v) for name, v in written.items())
+            error = None if ok else "a file did not arrive whole"
+        except Exception as exc:  # the peer (or its node) went, or the step was pruned meanwhile
+            ok, error = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return {"step": step, "rank": self.rank, "peer_node": peer_node, "ok": ok, "error": error,
+                "copy_s": time.perf_counter() - t0, "bytes": sum(v[0] for v in written.values())}
+
+    def _take_copies(self) -> list[dict[str, Any]]:
+        """Outcomes of the peer copies finished since the last call."""
+        done = [s for s, f in self._copying.items() if f.done()]
+        return [self._copying.pop(s).result() for s in sorted(done)]
 
     @ray.method(concurrency_group="upload")
     def upload(self, step: int, location: str) -> dict[str, Any]:

@@ -161,22 +161,17 @@ def airay_run(d_model: int, work: Path) -> dict:
 
 
 def _sync_rank(rank: int, world: int, port: int, d_model: int, out: str, results) -> None:
-    import deepspeed
     import deepspeed.comm as dist
     import torch
 
     from airay.models import tiny_gpt
     from airay.policy import plan_batch
-    from airay.worker.deepspeed_compat import disable_cpu_shm_comm
-    from airay.worker.engine import backward_micro_batch, build_engine
+    from airay.worker.engine import backward_micro_batch
+    from benchmarks.plain import plain_engine
 
-    torch.set_num_threads(1)
-    disable_cpu_shm_comm()
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"})
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                               init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     plan = plan_batch(4, 1, world)
-    engine = build_engine(tiny_gpt.build(seed=0, **model_kwargs(d_model)), DEEPSPEED, plan, "cpu")
+    engine = plain_engine(tiny_gpt.build(seed=0, **model_kwargs(d_model)), DEEPSPEED, plan, rank=rank, world=world,
+                          port=port)
     batch = {"tokens": torch.randint(0, 256, (1, SEQ + 1))}
     backward_micro_batch(engine, tiny_gpt.loss(engine, batch), 1, plan)  # the optimizer state exists
     times = []

@@ -69,7 +69,6 @@ def parameters(model: dict) -> int:
 
 def plain(args) -> None:
     """One process, what a user writes with DeepSpeed alone (no Ray)."""
-    import deepspeed
     import torch
     import torch.distributed as dist
 
@@ -77,25 +76,17 @@ def plain(args) -> None:
     from airay.data.source import SyntheticSource
     from airay.models import tiny_gpt
     from airay.policy import plan_batch
-    from airay.worker.deepspeed_compat import disable_cpu_shm_comm
     from airay.worker.dist import free_port
-    from airay.worker.engine import backward_micro_batch, build_engine
+    from airay.worker.engine import backward_micro_batch
+    from benchmarks.plain import plain_engine
 
     model_kw = SMOKE_MODEL if args.smoke else MODEL
     cfg = JobConfig.from_dict(job(model_kw, args.steps, "/tmp/unused", args.smoke))
     plan = plan_batch(cfg.global_batch_size, cfg.micro_batch_size, 1)
     cuda = torch.cuda.is_available()
-    device, backend = ("cuda:0", "nccl") if cuda else ("cpu", "gloo")
-    if cuda:
-        torch.cuda.set_device(0)
-    else:
-        disable_cpu_shm_comm()  # as airay's workers do (a 30 s JIT build neither side uses)
-    port = free_port()
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                               init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    engine = build_engine(tiny_gpt.build(seed=0, **model_kw), cfg.deepspeed, plan, device)
+    device = "cuda:0" if cuda else "cpu"
+    engine = plain_engine(tiny_gpt.build(seed=0, **model_kw), cfg.deepspeed, plan, rank=0, world=1, port=free_port(),
+                          device=device, threads=None)
     data = SyntheticSource(tiny_gpt.synthetic_sample, 0, cfg.data.kwargs)
     times, losses = [], []
     for step in range(args.steps):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -41,27 +40,18 @@ SPEC = {
 
 def plain_rank(rank: int, world: int, port: int, steps: int, warmup: int, out: str) -> None:
     """One rank of the baseline: what a user would write by hand with DeepSpeed alone."""
-    import deepspeed
     import deepspeed.comm as dist
-    import torch
 
     from airay.config import JobConfig, resolve_callable
     from airay.data.source import SyntheticSource
     from airay.policy import plan_batch
-    from airay.worker.deepspeed_compat import disable_cpu_shm_comm as _disable_cpu_shm_comm
-    from airay.worker.engine import backward_micro_batch, engine_config
+    from airay.worker.engine import backward_micro_batch
+    from benchmarks.plain import plain_engine
 
-    torch.set_num_threads(1)
     cfg = JobConfig.from_dict({**SPEC, "max_steps": steps, "scaling": {"min_workers": world, "max_workers": world}})
     plan = plan_batch(cfg.global_batch_size, cfg.micro_batch_size, world)
-    _disable_cpu_shm_comm()  # as airay does: otherwise a 30 s JIT build of an op neither side uses
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                               init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     model = resolve_callable(cfg.model.factory)(seed=cfg.seed, **cfg.model.kwargs)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=engine_config(cfg.deepspeed, plan, True, False), dist_init_required=False)
+    engine = plain_engine(model, cfg.deepspeed, plan, rank=rank, world=world, port=port)
     loss_fn = resolve_callable(cfg.loss_fn)
     data = SyntheticSource(resolve_callable(cfg.data.sample_fn), cfg.data.seed, cfg.data.kwargs)
     ends = []

@@ -48,6 +48,11 @@ from airay import goodput  # noqa: E402
 from airay.events import read_jsonl  # noqa: E402
 from airay.local_cluster import LocalCluster  # noqa: E402
 from airay.simulate import replay_measured  # noqa: E402
+import benchmarks.plain  # noqa: E402
+from benchmarks.plain import join_world, plain_engine  # noqa: E402
+
+# Ray Train's workers cannot import `benchmarks` (not installed): its helpers travel by value.
+ray.cloudpickle.register_pickle_by_value(benchmarks.plain)
 
 GLOBAL_BATCH = 24
 MICRO_BATCH = 4
@@ -131,7 +136,6 @@ def convert_to_universal(path: Path) -> None:
 
 def ray_train_loop(config: dict) -> None:
     """One Ray Train worker: DeepSpeed on the process group Ray Train made, resumed from its checkpoint."""
-    import deepspeed
     import ray.train
     import torch
     import torch.distributed as tdist
@@ -139,15 +143,12 @@ def ray_train_loop(config: dict) -> None:
     from airay.data.source import SyntheticSource
     from airay.models.tiny_gpt import build, loss, synthetic_sample
     from airay.policy import plan_batch
-    from airay.worker.deepspeed_compat import disable_cpu_shm_comm as _disable_cpu_shm_comm
-    from airay.worker.engine import backward_micro_batch, engine_config
+    from airay.worker.engine import backward_micro_batch
 
-    torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     plan = plan_batch(GLOBAL_BATCH, MICRO_BATCH, world)
-    _disable_cpu_shm_comm()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    join_world(rank, world, None)   # the process group Ray Train made
 
     start, load_dir, tag = 0, None, None
     ckpt = ray.train.get_checkpoint()
@@ -165,10 +166,8 @@ def ray_train_loop(config: dict) -> None:
                 convert_to_universal(load_dir)
             tdist.barrier()
             tag = "universal"
-    model = build(seed=0, **MODEL_KWARGS)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=engine_config(DEEPSPEED, plan, True, tag == "universal"),
-                                      dist_init_required=False)
+    engine = plain_engine(build(seed=0, **MODEL_KWARGS), DEEPSPEED, plan, rank=rank, world=world, port=None,
+                          load_universal=tag == "universal")
     if load_dir is not None:
         engine.load_checkpoint(str(load_dir), tag=tag)
         ckpt_ctx.__exit__(None, None, None)

@@ -1,0 +1,50 @@
+"""Plain DeepSpeed, as a user writes it without airay: the one bootstrap every baseline uses.
+
+A baseline process joins a torch.distributed world (gloo on CPU, NCCL on CUDA) and builds its
+engine with the same `build_engine` and batch plan airay's workers use, so the two sides differ
+only in what airay adds around them. DeepSpeed's CPU shared-memory op is disabled as airay does:
+otherwise a 30 s JIT build of an op neither side uses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def join_world(rank: int, world: int, port: int | None, device: str = "cpu") -> None:
+    """This process becomes `rank` of a `world`-rank process group at 127.0.0.1:`port`; with
+    `port` None the group exists already (Ray Train made it) and DeepSpeed adopts it."""
+    import deepspeed
+    import torch
+
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        disable_cpu_shm_comm()
+    backend = "nccl" if cuda else "gloo"
+    if port is None:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        return
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def plain_engine(model, deepspeed_config: dict[str, Any], plan, *, rank: int, world: int, port: int | None,
+                 device: str = "cpu", threads: int | None = 1, load_universal: bool = False):
+    """Join the world, then a DeepSpeed engine of `model` for `plan` on `device`. `threads`: torch's
+    intra-op threads (1, as airay's one-CPU workers run; None leaves torch's default)."""
+    import torch
+
+    from airay.worker.engine import build_engine
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    join_world(rank, world, port, device)
+    return build_engine(model, deepspeed_config, plan, device, load_universal=load_universal)
+

@@ -32,21 +32,27 @@ def preemption_signals(controller: Controller):
         yield
         return
 
+    timers = []
+
     def on_term(signum, frame):
         controller.request_preemption(signal.Signals(signum).name)
         grace = controller.cfg.checkpoint.preemption_grace_s
         timer = threading.Timer(grace, lambda: os._exit(128 + signum))  # the platform's SIGKILL is near
         timer.daemon = True
         timer.start()
+        timers.append(timer)
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for timer in timers:  # the run ended within the grace period: a notebook or script goes on
+            timer.cancel()
 
 
-def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None, dataset=None) -> Result:
+def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None, dataset=None,
+        launched_ts: float | None = None) -> Result:
     """Train `config` to max_steps, recovering from lost workers and nodes on the way.
 
     Connects to the Ray already initialised in this process, else `config.ray_address`, else
@@ -57,8 +63,12 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
     the training bundles leave (none on a cluster they fill: give its tasks num_cpus=0).
     Everything fit starts (actors, placement groups, Ray, a local
     cluster) is released on return, also when the run fails.
+    `launched_ts`: when the user launched the run (the `airay run` process start; default: this
+    call). Wall time, goodput and start-up count from it: every second the user waits.
     """
     import ray
+
+    launch = {"launched_ts": launched_ts or time.time(), "fit_ts": time.time()}
 
     if config.needs_local_cluster and config.cluster is None and local_cluster is None:
         raise ConfigError("chaos remove_node/add_node act on a local cluster: set cluster.local_nodes "
@@ -83,7 +93,9 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
             if ray.is_initialized():
                 raise RuntimeError("cluster.local_nodes starts its own Ray cluster; call ray.shutdown() first "
                                    "or remove the cluster section to use the running Ray")
+            t0 = time.time()
             local = LocalCluster(config.cluster)
+            launch["cluster_s"] = time.time() - t0
             ray.init(address=local.address, logging_level="WARNING", log_to_driver=echo)
             started_ray = True
         elif not ray.is_initialized():
@@ -92,7 +104,7 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
             started_ray = True
         if dataset is not None:  # a Ray dataset is checked once Ray is up, before any actor starts
             config, stream = prepare_dataset(config, dataset)
-        controller = Controller(config, recorder, local or local_cluster, stream, dataset)
+        controller = Controller(config, recorder, local or local_cluster, stream, dataset, launch)
         with preemption_signals(controller):
             return controller.run()
     finally:

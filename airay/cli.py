@@ -27,6 +27,16 @@ def _summary(result) -> str:
     return "\n".join(lines)
 
 
+def _process_start_ts() -> float | None:
+    """When this process started (the user pressed enter): start-up counts from here."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="airay", description="Elastic DeepSpeed training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--mtbf-hours", type=float, default=50_000.0, help="per-GPU mean time between failures")
     sim.add_argument("--replacement-s", type=float, default=1800.0, help="until a failed node is back")
     sim.add_argument("--checkpoint-s", type=float, default=30.0, help="training time blocked per checkpoint")
-    sim.add_argument("--warm-recovery-s", type=float, default=None, help="default: airay's measured value")
-    sim.add_argument("--cold-restart-s", type=float, default=None, help="default: airay's measured value")
+    sim.add_argument("--warm-recovery-s", type=float, default=None,
+                     help="default: airay's measured value (airay/measured.json)")
+    sim.add_argument("--cold-restart-s", type=float, default=None,
+                     help="default: airay's measured value (airay/measured.json)")
     sim.add_argument("--interval-s", type=float, default=None, help="checkpoint interval; default Daly's optimum")
     sim.add_argument("--days", type=float, default=14.0)
     sim.add_argument("--repeats", type=int, default=3)
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         from airay.api import fit
 
         try:
-            result = fit(config)
+            result = fit(config, launched_ts=_process_start_ts())
         except ConfigError as exc:  # found once Ray is up (a dataset, a checkpoint path of another job)
             print(f"airay: {exc}", file=sys.stderr)
             return 2

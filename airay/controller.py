@@ -80,8 +80,9 @@ class _PendingResize:
 
 class Controller:
     def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None,
-                 stream: Stream | None = None, dataset=None):
+                 stream: Stream | None = None, dataset=None, launch: dict[str, float] | None = None):
         self.cfg = config
+        self.launch = launch or {}  # when the user launched the run, and the cluster's start (airay.api.fit)
         self.rec = recorder
         self.local = local
         self.sizes = config.scaling.world_sizes  # allowed world sizes, smallest first
@@ -133,8 +134,11 @@ class Controller:
 
     def run(self) -> Result:
         # Wall time (and goodput) is measured from this event, as airay.goodput does from the file.
-        self.t_start = self.rec.event("run_started", run_dir=str(self.rec.run_dir), max_steps=self.cfg.max_steps,
-                                      global_batch_size=self.cfg.global_batch_size)["ts"]
+        # From the launch when known: the driver's imports and a local cluster's start are waited for too.
+        started = self.rec.event("run_started", run_dir=str(self.rec.run_dir), max_steps=self.cfg.max_steps,
+                                 global_batch_size=self.cfg.global_batch_size,
+                                 **{k: round(v, 4) for k, v in self.launch.items()})
+        self.t_start = min(started["ts"], self.launch.get("launched_ts", started["ts"]))
         error = None
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):
@@ -190,7 +194,9 @@ class Controller:
             for candidate in dict.fromkeys([self.sizes[-1], fit_now]):
                 placed = len(self.group.pending) + len(self.group.standby)
                 if candidate is not None and candidate > placed:
-                    self.group.reserve(candidate - placed, timeout_s=3.0)
+                    # The first world joins as soon as its workers are up: no warm-up engine.
+                    if self.group.reserve(candidate - placed, timeout_s=3.0, warm=False):
+                        self.rec.event("workers_placed", workers=len(self.group.pending) + len(self.group.standby))
                 size = policy.choose_world_size(len(self.group.pending) + len(self.group.standby), self.sizes)
                 if size is not None:
                     break
@@ -424,7 +430,8 @@ class Controller:
                 **(parts or {}), "reform_s": t_load - t_form, "reload_s": time.time() - t_load, **timings})
         self.rec.event("world_formed", step=self.step, world_size=size, plan=asdict(self.plans[size]),
                        **{k: round(v, 4) for k, v in timings.items()},
-                       workers=[{**{k: m.info.get(k) for k in ("node_id", "pid", "device", "gpu_ids", "backend")},
+                       workers=[{**{k: m.info.get(k) for k in ("node_id", "pid", "device", "gpu_ids", "backend",
+                                                               "timeline")},
                                  **{k: m.joined.get(k) for k in ("local_rank", "cuda_visible_devices", "cuda_device",
                                                                  "engine_device")}}
                                 for m in self.group.active])

@@ -4,7 +4,8 @@ goodput = time spent on steps that were kept / wall time. A step is kept by its 
 record; an earlier record of the same step is work that was thrown away by a rollback to an
 older checkpoint and done again ("replayed_steps"). The rest of the wall time is split by cause:
 
-- startup: run start until the first world is formed (placement, actor start, engine build,
+- startup: the run's launch (the `airay run` process start, or the fit() call) until the first
+  world is formed (driver imports, a local cluster's start, placement, actor start, engine build,
   loading a checkpoint to resume from).
 - recovery: each resize window, from where the world stopped making progress (for a failure:
   the end of the last committed round before it was detected, so the cut round's work counts
@@ -52,7 +53,14 @@ class Goodput:
 
 def kept_records(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """The record each step was kept by: its last one (a replayed step's later line wins)."""
-    return {m["step"]: m for m in metrics}
+    return {m["step"]: m for m in sorted(metrics, key=lambda m: m.get("ts", 0.0))}
+
+
+def kept_step_s(records: list[dict[str, Any]]) -> float:
+    """Seconds of the steps that were kept (each step's last record; `step`, `step_time_s`, `ts`),
+    less any wait for a previous save (checkpoint blocking, not work). The numerator of goodput
+    for any trainer's step records: airay's metrics, or a baseline's (benchmarks/raytrain.py)."""
+    return sum(m["step_time_s"] - (m.get("checkpoint_wait_s") or 0.0) for m in kept_records(records).values())
 
 
 def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts: float | None = None) -> Goodput:
@@ -68,7 +76,7 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
     def wait_s(m):
         return m.get("checkpoint_wait_s") or 0.0
 
-    kept_s = sum(m["step_time_s"] - wait_s(m) for m in kept.values())
+    kept_s = kept_step_s(metrics)
     replayed = len(metrics) - len(kept)
     replayed_s = sum(m["step_time_s"] - wait_s(m) for m in metrics) - kept_s
 
@@ -124,7 +132,8 @@ def run_spans(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
     """(start, end) of each run recorded in a run directory, in order. A run ends at its
     run_finished/run_failed event; one killed without either ends at its last record before the
     next run started. `end_ts` ends the last run (one still going)."""
-    starts = [e["ts"] for e in events if e["type"] == "run_started"]
+    # A run starts when it was launched (run_started carries it; older runs: the event itself).
+    starts = [min(e["ts"], e.get("launched_ts", e["ts"])) for e in events if e["type"] == "run_started"]
     records = [e["ts"] for e in events] + [m["ts"] for m in metrics]
     ends = [e["ts"] for e in events if e["type"] in ("run_finished", "run_failed")]
     spans = []

@@ -20,16 +20,21 @@ what makes the restart policy match Daly's closed form exactly (see `daly_goodpu
 from __future__ import annotations
 
 import heapq
+import json
 import math
 from dataclasses import asdict, dataclass, replace
+from importlib.resources import files
 
 import numpy as np
 
 POLICIES = ("shrink", "wait", "restart")
 
-# airay's own numbers from benchmarks/recovery.py (median of 3, 4 CPU workers on the dev machine).
-MEASURED_WARM_RECOVERY_S = 0.74
-MEASURED_COLD_RESTART_S = 10.6
+# airay's own numbers: airay/measured.json, written by benchmarks/run.py from the stored run of
+# benchmarks/recovery.py (benchmarks/results/recovery.json: median warm recovery_s, median cold
+# start of the same checkpoint), with that run's command and date. Never edited by hand.
+MEASURED = json.loads(files("airay").joinpath("measured.json").read_text())
+MEASURED_WARM_RECOVERY_S: float = MEASURED["warm_recovery_s"]
+MEASURED_COLD_RESTART_S: float = MEASURED["cold_restart_s"]
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,13 @@ def replay_measured(measured: dict, ckpt_every: int) -> SimResult:
                   warm_recovery_s=max(0.0, measured["recovery_s"] - measured["step_s"]))
     return simulate(fleet, costs, "shrink", interval_s=ckpt_every * measured["step_s"],
                     days=measured["window_s"] / 86400.0, failure_times=measured["fault_offsets_s"])
+
+
+def predicted_goodput(measured: dict, ckpt_every: int) -> float:
+    """replay_measured's goodput in airay.goodput's definition: the measured start-up (launch ->
+    first world formed, which the simulator does not model) added to the wall time."""
+    sim = replay_measured(measured, ckpt_every)
+    return sim.goodput * measured["window_s"] / (measured["window_s"] + measured["startup_s"])
 
 
 def compare(gpu_counts: list[int], fleet: Fleet, costs: Costs, interval_s: float | None = None,

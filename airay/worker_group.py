@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -36,6 +35,7 @@ class Member:
     info: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     joined: dict[str, Any] = field(default_factory=dict)  # what its last join handed torch and DeepSpeed
+    warm: bool = True  # started with a warm-up engine build, or has built an engine since
 
     @property
     def node_id(self) -> str | None:
@@ -65,6 +65,7 @@ class WorkerGroup:
                             "runtime_env": {"env_vars": env} if env else None}
         self.memory_base, self.job = memory_base, job
         self.stores: dict[str, Any] = {}  # node id -> its NodeStore
+        self._store_starts: dict[str, Any] = {}  # node id -> a NodeStore started, not yet checked
         self.foreign_tiers: list[dict] = []  # other jobs' memory tiers the stores found (and cleared)
 
     # ---- the nodes' checkpoint stores -------------------------------------------------------
@@ -74,9 +75,7 @@ class WorkerGroup:
         per node, pinned to it)."""
         new = {}
         for node in sorted({m.node_id for m in self.active + self.standby if m.node_id} - set(self.stores)):
-            new[node] = ray.remote(NodeStore).options(
-                num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            ).remote(self.memory_base, self.job)
+            new[node] = self._store_starts.pop(node, None) or self._new_store(node)
         for node, store in new.items():
             try:
                 info = ray.get(store.info.remote(), timeout=timeout_s)
@@ -86,6 +85,21 @@ class WorkerGroup:
             self.stores[node] = store
             if info["foreign"] is not None:
                 self.foreign_tiers.append({"node_id": node, "path": info["root"], "found": info["foreign"]})
+
+    def _new_store(self, node: str):
+        return ray.remote(NodeStore).options(
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote(self.memory_base, self.job)
+
+    def _start_stores(self, pgs: list[PlacementGroup]) -> None:
+        """Start the NodeStores of the nodes `pgs` landed on, not waited for: each comes up while
+        the workers import, instead of after them (ensure_stores checks them)."""
+        from ray.util.placement_group import placement_group_table
+
+        for pg in pgs:
+            for node in placement_group_table(pg).get("bundles_to_node_id", {}).values():
+                if node and node not in self.stores and node not in self._store_starts:
+                    self._store_starts[node] = self._new_store(node)
 
     def _live_stores(self) -> dict[str, Any]:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -175,10 +189,11 @@ class WorkerGroup:
         self.demanded = n
         placement.request_capacity(self.per_worker, n, self.excluded)
 
-    def reserve(self, n: int, timeout_s: float) -> int:
+    def reserve(self, n: int, timeout_s: float, warm: bool = True) -> int:
         """Reserve n bundles (in as many placement groups as the strategy needs) and start a
         worker in each (not waited for); returns the workers started (groups not placed within
-        `timeout_s` are given up)."""
+        `timeout_s` are given up). `warm`: each builds a throwaway engine before it stands by
+        (TrainWorker.warmup); False for the run's first world, which joins as soon as it is up."""
         fits = placement.fits_per_node(placement.available_per_node(exclude=self.excluded), self.per_worker)
         pgs = [placement_group([dict(self.per_worker) for _ in range(k)], strategy=self.strategy,
                                bundle_label_selector=placement.avoid_nodes(self.excluded, k))
@@ -194,16 +209,17 @@ class WorkerGroup:
                 continue
             self.pgs.append(pg)
             for i in range(pg.bundle_count):
-                self._start(pg, i)
+                self._start(pg, i, warm)
             started += pg.bundle_count
+        self._start_stores([pg for pg, ref in zip(pgs, refs) if ref in ready])
         return started
 
-    def _start(self, pg: PlacementGroup, bundle_index: int) -> Member:
+    def _start(self, pg: PlacementGroup, bundle_index: int, warm: bool = True) -> Member:
         opts = {k: v for k, v in self._actor_opts.items() if v is not None}
         actor = self._actor_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
             **opts).remote(self.spec)
-        member = Member(actor, pg, bundle_index, actor.warmup.remote())
+        member = Member(actor, pg, bundle_index, (actor.warmup if warm else actor.ready).remote(), warm=warm)
         self.pending.append(member)
         return member
 
@@ -220,7 +236,7 @@ class WorkerGroup:
                 m.info = ray.get(m.ready_ref)
             except ray.exceptions.RayActorError as exc:
                 self.start_failures.append(str(exc).splitlines()[0])
-                self._start(m.pg, m.bundle_index)  # died while starting: try its slot again
+                self._start(m.pg, m.bundle_index, m.warm)  # died while starting: try its slot again
                 continue
             except ray.exceptions.RayTaskError as exc:  # the user's model or spec fails: no retry
                 raise RuntimeError(f"a worker failed to start: {getattr(exc, 'cause', None) or exc}") from exc
@@ -258,6 +274,12 @@ class WorkerGroup:
         outcomes, values = self._gather(refs)
         for m, v in zip(self.active, values):
             m.joined = v or {}
+            m.warm = True  # its join built an engine
+        # Standby workers started cold (the first world's spares) warm up now, off the critical path.
+        for m in [m for m in self.standby if not m.warm]:
+            self.standby.remove(m)
+            m.ready_ref, m.warm = m.actor.warmup.remote(), True
+            self.pending.append(m)
         timings = {k: max(v[k] for v in values if v) for k in ("process_group_s", "engine_s", "join_s")} \
             if all(values) else {}
         return outcomes, timings
@@ -412,13 +434,14 @@ class WorkerGroup:
                 self.demand(0)  # the autoscaler may scale the run's nodes down again
             except Exception as exc:  # the cluster is going away: nothing left to withdraw from
                 print(f"airay: could not withdraw the autoscaler request: {exc}")
-        actors = [m.actor for m in self.active + self.pending + self.standby] + list(self.stores.values())
+        actors = [m.actor for m in self.active + self.pending + self.standby] + list(self.stores.values()) \
+            + list(self._store_starts.values())
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        self.active, self.pending, self.standby, self.stores = [], [], [], {}
+        self.active, self.pending, self.standby, self.stores, self._store_starts = [], [], [], {}, {}
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)

@@ -8,17 +8,20 @@ size and synthetic samples on this machine:
          controller, per-round metrics and capacity checks
 Throughput is wall time over the steady-state steps (after `--warmup` steps), measured the same
 way on both sides: from the end of step warmup-1 to the end of the last step, no checkpoint in
-between. The two are run alternately, `--repeats` times each, in one invocation.
+between. The model has no sleep in it: a step is CPU work. The two run in interleaved pairs (the
+order alternating), in one invocation, until the 95% confidence interval of the ratio (Student's t
+over the pairs' log ratios) is within +-`--width` (3%), at least `--min-pairs`, at most `--max-pairs`.
 
-Usage: python benchmarks/overhead.py [--workers 2] [--steps 300] [--warmup 20] [--repeats 3]
-       [--steps-per-round 10] [--json F]
-Target: airay / plain >= 0.97.
+Usage: python benchmarks/overhead.py [--workers 2] [--steps 200] [--warmup 20] [--min-pairs 5]
+       [--max-pairs 14] [--width 0.03] [--steps-per-round 10] [--json F]
+Target: the interval's lower bound >= 0.97.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -29,9 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGET = 0.97
+MODEL_NOTE = "tiny_gpt d_model 128 x 4 layers, seq 64 (unpaced)"
 SPEC = {
-    "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"vocab_size": 256, "seq_len": 32, "d_model": 64,
-                                                                 "n_layers": 2, "n_heads": 4}},
+    # Sized so a step is CPU work (no sleep in the model): about 0.1 s of compute per step here.
+    "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"vocab_size": 256, "seq_len": 64, "d_model": 128,
+                                                                 "n_layers": 4, "n_heads": 4}},
     "loss_fn": "airay.models.tiny_gpt:loss",
     "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}},
     "global_batch_size": 16, "micro_batch_size": 4,
@@ -94,12 +99,35 @@ def run_airay(world: int, steps: int, warmup: int, per_round: int, tmp: Path) ->
     return (steps - warmup) * cfg.global_batch_size / (ts[steps - 1] - ts[warmup - 1])
 
 
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086}
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of per-pair ratios and its 95% confidence interval (Student's t on the log
+    ratios: a pair shares the machine's state, so pairs are the independent samples)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), 0.0, math.inf
+    half = T95[min(len(logs) - 1, 20)] * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def narrow_enough(ratios: list[float], width: float) -> bool:
+    """The interval lies within +-`width` of the estimate."""
+    r, lo, hi = ratio_interval(ratios)
+    return hi / r - 1 <= width and 1 - lo / r <= width
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-pairs", type=int, default=5)
+    ap.add_argument("--max-pairs", type=int, default=14)
+    ap.add_argument("--width", type=float, default=0.03, help="stop once the 95%% interval is within +-this")
     ap.add_argument("--steps-per-round", type=int, default=10, help="airay's steps per driver call")
     ap.add_argument("--json", help="also write the numbers here")
     ap.add_argument("--plain-rank", type=int, help=argparse.SUPPRESS)
@@ -120,26 +148,39 @@ def main() -> int:
 
     lc = LocalCluster(LocalClusterSpec(local_nodes=args.workers, cpus_per_node=1))
     ray.init(address=lc.address, logging_level="ERROR", log_to_driver=False)
-    plain, airay = [], []
+    plain, airay, ratios = [], [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for _ in range(args.repeats):
-                plain.append(run_plain(args.workers, args.steps, args.warmup, Path(tmp)))
-                airay.append(run_airay(args.workers, args.steps, args.warmup, k, Path(tmp)))
+            while len(ratios) < args.max_pairs and not (len(ratios) >= args.min_pairs
+                                                         and narrow_enough(ratios, args.width)):
+                # Each pair in alternating order, so a drift of the machine favours neither side.
+                order = ("plain", "airay") if len(ratios) % 2 == 0 else ("airay", "plain")
+                got = {}
+                for side in order:
+                    got[side] = run_plain(args.workers, args.steps, args.warmup, Path(tmp)) if side == "plain" \
+                        else run_airay(args.workers, args.steps, args.warmup, k, Path(tmp))
+                plain.append(got["plain"])
+                airay.append(got["airay"])
+                ratios.append(got["airay"] / got["plain"])
+                r, lo, hi = ratio_interval(ratios)
+                print(f"pair {len(ratios)}: plain {got['plain']:.1f}, airay {got['airay']:.1f} samples/s, "
+                      f"ratio {ratios[-1]:.3f}; so far {r:.3f} [{lo:.3f}, {hi:.3f}]", flush=True)
     finally:
         ray.shutdown()
         lc.shutdown()
-    ratios = [a / p for a, p in zip(airay, plain)]
-    med = {"plain": statistics.median(plain), "airay": statistics.median(airay), "ratio": statistics.median(ratios)}
-    print(f"steady-state samples/s, {args.workers} workers, tiny_gpt ZeRO-2 (CPU/gloo), steps "
-          f"{args.warmup}..{args.steps}, airay steps_per_round {k}, median of {args.repeats}:")
+    r, lo, hi = ratio_interval(ratios)
+    med = {"plain": statistics.median(plain), "airay": statistics.median(airay), "ratio": r,
+           "ci95": [lo, hi], "pairs": len(ratios), "narrow_enough": narrow_enough(ratios, args.width)}
+    print(f"steady-state samples/s, {args.workers} workers, {MODEL_NOTE}, ZeRO-2 (CPU/gloo), steps "
+          f"{args.warmup}..{args.steps}, airay steps_per_round {k}, {len(ratios)} interleaved pairs:")
     print(f"  plain DeepSpeed  {med['plain']:8.1f}   runs {[round(x, 1) for x in plain]}")
     print(f"  airay            {med['airay']:8.1f}   runs {[round(x, 1) for x in airay]}")
-    print(f"  airay / plain ratio: {med['ratio']:.3f} (per pair {[round(r, 3) for r in ratios]}); "
-          f"target >= {TARGET} -> {'met' if med['ratio'] >= TARGET else 'MISSED'}")
+    print(f"  airay / plain ratio: {r:.3f}, 95% CI [{lo:.3f}, {hi:.3f}] "
+          f"({'within' if med['narrow_enough'] else 'NOT within'} +-{args.width:.0%}); target lower bound >= "
+          f"{TARGET} -> {'met' if lo >= TARGET else 'MISSED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"plain": plain, "airay": airay, "ratios": ratios, "median": med},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"plain": plain, "airay": airay, "ratios": ratios, "median": med,
+                                               "args": vars(args)}, indent=2))
     return 0
 
 

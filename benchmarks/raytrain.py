@@ -47,7 +47,7 @@ from airay.config import LocalClusterSpec  # noqa: E402
 from airay import goodput  # noqa: E402
 from airay.events import read_jsonl  # noqa: E402
 from airay.local_cluster import LocalCluster  # noqa: E402
-from airay.simulate import replay_measured  # noqa: E402
+from airay.simulate import predicted_goodput  # noqa: E402
 import benchmarks.plain  # noqa: E402
 from benchmarks.plain import join_world, plain_engine  # noqa: E402
 
@@ -57,7 +57,7 @@ ray.cloudpickle.register_pickle_by_value(benchmarks.plain)
 GLOBAL_BATCH = 24
 MICRO_BATCH = 4
 CKPT_EVERY = 5
-MODEL_KWARGS = {"forward_delay_s": 0.05}
+MODEL_KWARGS: dict = {}  # no sleep in the model: a step is CPU work (about 0.1-0.3 s here)
 DEEPSPEED = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
 FAULT_RANK = {"worker": 1, "node": 2}
 HEALTH_CHECK_INTERVAL_S = 0.2
@@ -86,8 +86,7 @@ def airay_run(root: Path, fault: str, steps: int, fault_steps: list[int], local:
     return {"recovery_s": [e["ts"] - t for e, t in zip(shrinks, struck)],
             "steps_redone": sum(f - e["resumed_step"] for f, e in zip(fault_steps, shrinks)),
             "wall_s": result.wall_s, "final_loss": result.final_loss,
-            "goodput": kept_step_time(read_jsonl(run / "metrics.jsonl")) / result.wall_s,
-            "lost_s": goodput.of_run(run).lost_s, "measured": measured_costs(ev, read_jsonl(run / "metrics.jsonl"))}
+            "goodput": goodput.of_run(run).goodput, "lost_s": goodput.of_run(run).lost_s, "measured": measured_costs(ev, read_jsonl(run / "metrics.jsonl"))}
 
 
 def measured_costs(events: list[dict], metrics: list[dict]) -> dict:
@@ -109,12 +108,6 @@ def measured_costs(events: list[dict], metrics: list[dict]) -> dict:
             "replacement_s": statistics.median(waits) if (waits := [
                 min(r for r in ready if r > t) - t for t in struck if any(r > t for r in ready)]) else None,
             "fault_offsets_s": [t - formed for t in struck], "kept_steps": len({m["step"] for m in metrics})}
-
-
-def window_goodput(measured: dict) -> float:
-    """Goodput as the simulator counts it: kept steps at the full world's step time, over the time
-    from the first world formed to the end (a smaller world's steps count for less)."""
-    return measured["kept_steps"] * measured["step_s"] / measured["window_s"]
 
 
 # ---- Ray Train -------------------------------------------------------------------------------------
@@ -174,23 +167,32 @@ def ray_train_loop(config: dict) -> None:
     data = SyntheticSource(synthetic_sample, 0, {})
     progress = Path(config["progress_dir"]) / f"rank{rank}.jsonl"
     node = ray.get_runtime_context().get_node_id()
+    deadline = config.get("deadline")  # a run measured over a fixed window (benchmarks/goodput.py)
     for step in range(start, config["steps"]):
+        if deadline is not None:  # every rank stops at the same step: they agree through a collective
+            late = torch.tensor([1.0 if time.time() > deadline else 0.0])
+            tdist.all_reduce(late, op=tdist.ReduceOp.MAX)
+            if late.item():
+                break
         t_step = time.time()
         loss_sum = 0.0
         for batch, samples in zip(data.micro_batches(step, rank, plan), plan.micro_sizes(rank)):
             out = loss(engine, batch)
             backward_micro_batch(engine, out, samples, plan)
             loss_sum += float(out.detach()) * samples
-        with progress.open("a") as f:
-            f.write(json.dumps({"ts": time.time(), "step": step, "pid": os.getpid(), "node": node,
-                                "world": world, "step_time_s": time.time() - t_step}) + "\n")
+        row = {"ts": time.time(), "step": step, "pid": os.getpid(), "node": node, "world": world,
+               "step_time_s": time.time() - t_step}
         if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:
+            t_ckpt = time.time()
             with tempfile.TemporaryDirectory() as tmp:
                 engine.save_checkpoint(tmp, tag="native", save_latest=False)
                 if rank == 0:
                     (Path(tmp) / "meta.json").write_text(json.dumps({"step": step + 1, "world_size": world}))
                 ray.train.report({"step": step + 1},
                                  checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            row["ckpt_s"] = time.time() - t_ckpt  # what the save held the step loop (save + report)
+        with progress.open("a") as f:
+            f.write(json.dumps(row) + "\n")
     # Every rank's loss sum -> the global mean, as airay records it.
     total = torch.tensor([loss_sum])
     tdist.all_reduce(total)
@@ -225,14 +227,6 @@ def inject_when_ready(progress_dir: Path, fault: str, fault_steps: list[int], lo
                     local.remove_node(done[0]["node"])
                 break
             time.sleep(0.005)
-
-
-def kept_step_time(rows: list[dict]) -> float:
-    """Seconds of the steps that were kept: each step's last execution (earlier ones were redone)."""
-    last = {}
-    for r in sorted(rows, key=lambda r: r["ts"]):
-        last[r["step"]] = r["step_time_s"]
-    return sum(last.values())
 
 
 def ray_train_run(root: Path, fault: str, steps: int, fault_steps: list[int], local: LocalCluster,
@@ -273,7 +267,9 @@ def ray_train_run(root: Path, fault: str, steps: int, fault_steps: list[int], lo
         redone += strike["step"] - first["step"]
     final = json.loads((progress / "final.json").read_text())
     return {"recovery_s": recovery, "steps_redone": redone, "wall_s": wall, "final_loss": final["loss"],
-            "goodput": kept_step_time([r for r in rows if r["rank"] == 0]) / wall}
+            # airay.goodput's definition: kept step time over the wall time from the start of training
+            # (fit(); the cluster was started before, as for airay's runs here).
+            "goodput": goodput.kept_step_s([r for r in rows if r["rank"] == 0]) / wall}
 
 
 # ---- the comparison ----------------------------------------------------------------------------------
@@ -327,7 +323,7 @@ def main() -> int:
     if bad or not 0 < args.fault_step < args.steps:
         parser.error(f"--faults takes {sorted(FAULT_RANK)}; --fault-step must lie in (0, --steps)")
 
-    out: dict = {"args": vars(args), "recovery": {}, "schedule": None}
+    out: dict = {"args": vars(args), "recovery": {}, "schedule": None, "model_kwargs": MODEL_KWARGS}
     with tempfile.TemporaryDirectory() as tmp:
         for fault in faults:
             out["recovery"][fault] = compare(fault, args.steps, [args.fault_step], args.repeats, Path(tmp))
@@ -366,13 +362,12 @@ def main() -> int:
                 lost = {c: statistics.median(r["lost_s"][c] for r in runs) for c in runs[0]["lost_s"]}
                 gp[side]["lost_s"] = lost
                 print("             lost s (median): " + ", ".join(f"{c} {v:.1f}" for c, v in lost.items()))
-                pairs = [(replay_measured(r["measured"], args.schedule_ckpt_every).goodput, window_goodput(r["measured"]))
-                         for r in runs]
+                pairs = [(predicted_goodput(r["measured"], args.schedule_ckpt_every), r["goodput"]) for r in runs]
                 gp["simulator"] = {"predicted": statistics.median(p for p, _ in pairs),
                                    "measured": statistics.median(m for _, m in pairs)}
                 print(f"             simulator replay of this run (same faults, measured costs): goodput "
                       f"{gp['simulator']['predicted']:.3f} predicted vs {gp['simulator']['measured']:.3f} "
-                      "measured, from the first world formed")
+                      "measured (airay.goodput's definition: start-up included on both)")
         print(f"  airay / Ray Train goodput: {gp['airay']['goodput'][0] / gp['ray_train']['goodput'][0]:.2f}x; "
               f"target airay >= 0.9 -> {'met' if gp['airay']['goodput'][0] >= 0.9 else 'MISSED'}")
     if args.json:

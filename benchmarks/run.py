@@ -10,6 +10,13 @@ Usage: python -m benchmarks.run [--reduced] [--only recovery,raytrain,...] [--re
              benchmarks/results/NAME.json with the command, date and machine that produced them
   --render:  run nothing, render every section from benchmarks/results (e.g. after a GPU run:
              `python benchmarks/gpu.py --json X` where CUDA is, stored as results/gpu.json)
+
+Every full run and --render also writes, from benchmarks/results alone (one source for every
+number): README.md's generated blocks (`<!-- measured:NAME -->` ... `<!-- /measured:NAME -->`,
+see README_BLOCKS) and airay/measured.json (the simulator's measured defaults, see
+measured_defaults). The "demo" section runs `airay run jobs/demo.yaml` and keeps its output for
+README's demo block; it is not a BENCHMARKS.md section. Reduced runs store nothing and write
+neither.
 """
 
 from __future__ import annotations
@@ -19,35 +26,45 @@ import datetime
 import json
 import os
 import platform
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
+README = ROOT / "README.md"
+MEASURED = ROOT / "airay" / "measured.json"
+DEMO = "airay run jobs/demo.yaml --run-dir"  # + a fresh directory
 
 FULL = {
     "recovery": ["--repeats", "3"],
     # ~15 s of steady state per run: shorter windows (3 s) measured mostly noise (pairs 0.77-1.13).
-    "overhead": ["--repeats", "5", "--steps", "300", "--warmup", "20"],
+    # Pairs until the ratio's 95% interval is within +-3% (5 to 14 pairs), unpaced model.
+    "overhead": ["--steps", "200", "--warmup", "20", "--min-pairs", "5", "--max-pairs", "14"],
     "decision": ["--workers", "4096", "--repeats", "21"],
     "raytrain": ["--repeats", "3", "--steps", "30", "--fault-step", "12"],
-    # Long on purpose (2000 steps, ~9 min for airay, ~12 for Ray Train): startup must not dominate.
-    "goodput": ["--faults", "none", "--schedule-steps", "2000", "--every", "500", "--schedule-ckpt-every", "10"],
+    # Long on purpose (20 min windows, 2 runs per side: ~90 min): start-up must be a realistic share.
+    "goodput": ["--window", "1200", "--faults", "6", "--repeats", "2", "--regrow", "60"],
     "checkpoint": ["--sizes", "256,512,1024"],
     "data": ["--repeats", "3"],
+    # The "before" is airay at the commit before the start-up work (c9acdb2), run in a worktree.
+    "startup": ["--repeats", "3", "--baseline", "c9acdb2"],
 }
-SCRIPT = {"goodput": "raytrain"}  # sections run by another section's script
+SCRIPT: dict[str, str] = {}  # sections run by another section's script
 REDUCED = {
     "recovery": ["--repeats", "1"],
-    "overhead": ["--repeats", "1", "--steps", "40", "--warmup", "20"],
+    "overhead": ["--min-pairs", "1", "--max-pairs", "1", "--steps", "40", "--warmup", "20"],
     "decision": ["--workers", "256", "--repeats", "3"],
     "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "12", "--fault-step", "7"],
     "checkpoint": ["--reduced"],
     "data": ["--reduced"],
+    "startup": ["--repeats", "1", "--no-ray-train"],
 }
 SIMULATE_FULL = ["--gpus", "1024,4096,16384", "--days", "14", "--repeats", "5"]
 SIMULATE_REDUCED = ["--gpus", "1024", "--days", "2", "--repeats", "1"]
@@ -107,19 +124,53 @@ def render_recovery(rec: dict) -> list[str]:
         runs = [w[key] for w in rec["warm"]]
         lines.append(f"| {key} | {rec['median'][key]:.3f} | {_spread(runs)} | |")
     ratio = rec["cold_median_s"] / rec["median"]["recovery_s"]
-    lines.append(f"| cold start (baseline: fresh actors, same checkpoint) | {rec['cold_median_s']:.3f} | "
+    cold = "plain restart: fresh actors, DeepSpeed load, same world size" if rec.get("cold_kind") == "plain" \
+        else "airay's own cold start: fresh actors, same checkpoint"
+    lines.append(f"| cold start (baseline: {cold}) | {rec['cold_median_s']:.3f} | "
                  f"{_spread(rec['cold_s'])} | cold / warm **{ratio:.1f}x** (target ≥ 5x) |")
     return lines
 
 
 def render_overhead(ovh: dict) -> list[str]:
-    return ["Steady-state samples/s, 2 workers, same model, DeepSpeed config, batch plan and samples; "
-            "the baseline is one process per rank with torch.distributed + deepspeed.initialize and a "
-            "bare step loop.", "",
+    med = ovh["median"]
+    if "ci95" not in med:  # a run from before the interval was computed
+        ratio = f"**{med['ratio']:.3f}** (median of pairs {_spread(ovh['ratios'])}; no interval; target ≥ 0.97)"
+    else:
+        lo, hi = med["ci95"]
+        ratio = (f"**{med['ratio']:.3f}**, 95% CI [{lo:.3f}, {hi:.3f}] over {med['pairs']} pairs "
+                 f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)})")
+    return ["Steady-state samples/s, 2 workers, same model (no sleep: a step is CPU work), DeepSpeed config, "
+            "batch plan and samples; the baseline is one process per rank with torch.distributed + "
+            "deepspeed.initialize (benchmarks/plain.py) and a bare step loop. Interleaved pairs, the order "
+            "alternating; the ratio is the geometric mean of the pairs' ratios, its interval Student's t "
+            "over their logs.", "",
             "| | samples/s (median) | spread | ratio |", "| --- | --- | --- | --- |",
-            f"| plain DeepSpeed (baseline) | {ovh['median']['plain']:.1f} | {_spread(ovh['plain'], 1)} | 1 |",
-            f"| airay | {ovh['median']['airay']:.1f} | {_spread(ovh['airay'], 1)} | "
-            f"**{ovh['median']['ratio']:.3f}** (pairs {_spread(ovh['ratios'])}; target ≥ 0.97) |"]
+            f"| plain DeepSpeed (baseline) | {med['plain']:.1f} | {_spread(ovh['plain'], 1)} | 1 |",
+            f"| airay | {med['airay']:.1f} | {_spread(ovh['airay'], 1)} | {ratio} |"]
+
+
+def render_startup(st: dict) -> list[str]:
+    from benchmarks.startup import AIRAY_PARTS, RAY_TRAIN_PARTS
+
+    med = st["median"]
+    lines = ["`airay run` (a fresh process, timed from its spawn) to the first completed step: a 4-node local "
+             "cluster (one CPU each), 4 workers, the demo job's model unpaced (no sleep), one step. Ray Train: "
+             "the same cluster and a TorchTrainer of 4 workers whose loop builds the same engine "
+             "(benchmarks/plain.py). Parts in order, each from the previous mark to its own (median of "
+             f"{len(st['runs']['airay'])}).", "",
+             "| | total s | parts (s) |", "| --- | --- | --- |"]
+    for side, label, parts in (("airay", "airay", AIRAY_PARTS), ("baseline", "airay before (`" +
+                               str(st["args"].get("baseline")) + "`)", ()), ("ray_train", "Ray Train", RAY_TRAIN_PARTS)):
+        if side in med:
+            detail = ", ".join(f"{p.replace('_', ' ')} {med[side][p]:.2f}" for p in parts) or "(measured from outside)"
+            lines.append(f"| {label} | {med[side]['total']:.1f} | {detail} |")
+    if "baseline" in med:
+        speed = med["baseline"]["total"] / med["airay"]["total"]
+        lines += ["", f"Speed-up over the start-up before: **{speed:.2f}x** (target ≥ 2x: {_met(speed >= 2)})."]
+    if "ray_train" in med:
+        rt = med["ray_train"]["total"] / med["airay"]["total"]
+        lines += ["", f"Ray Train / airay: **{rt:.2f}x** (target > 1: {_met(rt > 1)})."]
+    return lines
 
 
 def render_decision(dec: list[dict]) -> list[str]:
@@ -145,10 +196,18 @@ def render_simulate(sim_rows: list[dict]) -> list[str]:
     return lines
 
 
+def pacing(rt: dict) -> str:
+    """Whether a run's steps were paced by a sleep in the model (results from before the unpaced
+    model carry no model_kwargs: they slept 0.05 s per forward)."""
+    delay = rt.get("model_kwargs", {"forward_delay_s": 0.05}).get("forward_delay_s", 0.0)
+    return (f"**Paced**: the model sleeps {delay} s per forward, so a step is mostly a sleep, not CPU work"
+            if delay else "Unpaced: no sleep in the model, a step is CPU work")
+
+
 def render_raytrain(rt: dict) -> list[str]:
     """Recovery against Ray Train's elastic TorchTrainer (benchmarks/raytrain.py)."""
     args = rt["args"]
-    lines = [f"Same model, DeepSpeed ZeRO-2 config, samples and fault on a fresh 4-node local cluster per run; "
+    lines = [f"{pacing(rt)}. Same model, DeepSpeed ZeRO-2 config, samples and fault on a fresh 4-node local cluster per run; "
              f"{args['steps']} steps, the fault at step {args['fault_step']}, a checkpoint every 5 steps. Ray "
              "Train: TorchTrainer with ScalingConfig(num_workers=(2, 4)), FailureConfig, per-rank DeepSpeed "
              "checkpoints reported to Ray Train, universal conversion when the world size changes, health "
@@ -169,12 +228,21 @@ def render_raytrain(rt: dict) -> list[str]:
     return lines
 
 
+GAP = ("The simulator's figure differs from the measured one where the simulator is simpler than the run: "
+       "it charges each fault the median recovery and replacement times, a steady step time and checkpoint cost, "
+       "and no driver time between rounds (most of 'other'); it counts a shrunken world's steps at their share "
+       "of the full world (GPU-seconds), while airay.goodput counts a kept step's whole time.")
+
+
 def render_goodput(rt: dict) -> list[str]:
-    """Goodput under a failure schedule, airay vs Ray Train (benchmarks/raytrain.py's long run)."""
+    """Goodput under a failure schedule, airay vs Ray Train (benchmarks/goodput.py; older results:
+    benchmarks/raytrain.py's long run)."""
+    if "calibration" in rt:
+        return render_goodput_window(rt)
     args, lines = rt["args"], []
     if rt.get("schedule"):
         gp = rt["median"]["schedule"]
-        lines += [f"The job of the recovery comparison above, {args['schedule_steps']} steps, a checkpoint every "
+        lines += [f"{pacing(rt)}. The job of the recovery comparison above, {args['schedule_steps']} steps, a checkpoint every "
                   f"{args['schedule_ckpt_every']} steps, a worker SIGKILLed at steps {rt['schedule']['fault_steps']} "
                   "(each half-way between two checkpoints: the expected loss of a fault that is not correlated "
                   "with them). goodput = seconds of kept steps / wall seconds, startup included; median of "
@@ -199,6 +267,38 @@ def render_goodput(rt: dict) -> list[str]:
                          "(most of 'other' above) and steps slower than the median.")
         met = "met" if gp["airay"]["goodput"][0] >= 0.9 else "not met"
         lines.append(f"\nTarget airay goodput ≥ 0.9: **{met}**.")
+    return lines
+
+
+def _schedule_text(g: dict) -> str:
+    kinds = {"kill": "SIGKILL of a worker", "preempt": "SIGTERM to a worker (preemption)",
+             "node": f"a node lost, added back {g['args']['regrow']:.0f} s later"}
+    return "; ".join(f"{off:.0f} s {kinds[k]}" for off, k in g["schedule"])
+
+
+def render_goodput_window(g: dict) -> list[str]:
+    args, cal, runs = g["args"], g["calibration"], g["runs"]
+    lines = [f"{pacing(g)}. The job of the recovery comparison above on a fresh 4-node local cluster per run, each "
+             f"run measured over a {args['window']:.0f} s window from the start of training (fit()), the same "
+             f"{args['faults']} faults at the same offsets on both sides: {_schedule_text(g)} (MTBF "
+             f"{g['mtbf_s']:.0f} s). Checkpoint interval per side from Young/Daly for its own measured checkpoint "
+             "cost (a short calibration run): " + "; ".join(
+                 f"{'airay' if s == 'airay' else 'Ray Train'} C = {c['checkpoint_s']:.3f} s, step "
+                 f"{c['step_s']:.3f} s -> every {c['interval_steps']} steps" for s, c in cal.items())
+             + ". goodput = seconds of kept steps / window seconds (airay.goodput); "
+             f"{args['repeats']} runs per side, alternating.", "",
+             "| side | goodput (median) | runs | vs Ray Train |", "| --- | --- | --- | --- |"]
+    med = g["median"]
+    for side, label in (("airay", "airay"), ("ray_train", "Ray Train")):
+        each = ", ".join(f"{r['goodput']:.3f}" for r in runs[side])
+        lines.append(f"| {label} | {med[side]:.3f} | {each} | {med[side] / med['ray_train']:.2f}x |")
+    causes = runs["airay"][0]["lost_s"]
+    lines.append("\nairay's lost seconds by cause (median of runs): " + ", ".join(
+        f"{c.replace('_', ' ')} {statistics.median(r['lost_s'][c] for r in runs['airay']):.1f}" for c in causes) + ".")
+    lines.append(f"\nThe simulator (`airay.simulate.predicted_goodput`: the same faults at the same moments, each "
+                 "run's measured step, checkpoint, recovery and replacement times, its start-up added) predicts "
+                 f"{g['predicted_median']:.3f} for airay against {med['airay']:.3f} measured (median). {GAP}")
+    lines.append(f"\nTarget airay goodput ≥ 0.95 (median): **{_met(med['airay'] >= 0.95)}**.")
     return lines
 
 
@@ -267,10 +367,13 @@ def render_data(d: dict) -> list[str]:
             f"| airay (Ray Data path) | {d['airay_median']:.0f} | {_spread(d['airay'], 0)} | "
             f"**{d['ratio']:.2f}** (target ≥ 0.8) |", "",
             f"Data wait share of step time, demo model, {d['workers']} workers, {d['fit_steps']} steps (after the "
-            f"first round): **{d['data_wait_share']:.2%}** (target < 5%)."]
+            f"first round): paced (the demo model's 0.1 s sleep per forward) **{d['data_wait_share']:.2%}**; "
+            + (f"unpaced (no sleep: CPU-bound steps) **{d['data_wait_share_unpaced']:.2%}** (target < 5%)."
+               if "data_wait_share_unpaced" in d else "no unpaced run in this result (target < 5%).")]
 
 
 RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md's order
+    "startup": ("Start-up: launch to the first completed step, airay vs Ray Train", render_startup),
     "recovery": ("Recovery: warm re-form vs cold restart", render_recovery),
     "overhead": ("Overhead: airay vs plain DeepSpeed", render_overhead),
     "decision": ("Controller decision path at scale", render_decision),
@@ -288,6 +391,8 @@ def command(name: str, reduced: bool = False) -> str:
     """The command line a section runs (and BENCHMARKS.md shows under it)."""
     if name == "simulate":
         return f"airay simulate {' '.join(SIMULATE_REDUCED if reduced else SIMULATE_FULL)}"
+    if name == "demo":
+        return f"{DEMO} RUN_DIR"
     args = GPU_ONLY[name] if name in GPU_ONLY else (REDUCED if reduced else FULL)[name]
     return f"python benchmarks/{SCRIPT.get(name, name)}.py {' '.join(args)}"
 
@@ -297,13 +402,357 @@ def run_section(name: str, reduced: bool, tmp: Path) -> dict:
     line = command(name, reduced)
     print(f"[bench] {line}", flush=True)
     tool, *argv = line.split()[1:]  # the script (or `simulate`) and its arguments
-    if name == "simulate":
+    if name == "demo":  # README's demo: its stdout, as a user sees it
+        run_dir = tmp / "demo"
+        line = f"{DEMO} {run_dir}"
+        text = _run([sys.executable, "-m", "airay.cli", *line.split()[1:]])
+        result = {"text": text, "run_result": json.loads((run_dir / "result.json").read_text())}
+    elif name == "simulate":
         result = json.loads(_run([sys.executable, "-m", "airay.cli", "simulate", *argv, "--json"]))
     else:
         out = tmp / f"{name}.json"
         _run([sys.executable, str(ROOT / tool), *argv, "--json", str(out)])
         result = json.loads(out.read_text())
     return {"result": result, "command": line, "date": datetime.date.today().isoformat(), "machine": machine()}
+
+
+# --- One source for every number: README's generated blocks and airay/measured.json ---------------
+# Rendered from the stored results alone (never today's date or this machine), so a test can check
+# that README and airay/measured.json are what the results give (tests/test_readme_figures.py).
+
+
+def load_results(results: Path = RESULTS) -> dict[str, dict]:
+    """Every stored section run: {name: {"result", "command", "date", "machine", ...}}."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+
+
+def measured_defaults(results: dict[str, dict]) -> dict:
+    """airay/measured.json: the simulator's measured defaults (airay.simulate reads them), with their source.
+
+    The one place that knows where they are in the results: warm recovery is the median recovery_s
+    of benchmarks/recovery.py, cold restart its median cold start of the same checkpoint.
+    """
+    rec = results["recovery"]
+    return {"warm_recovery_s": round(rec["result"]["median"]["recovery_s"], 3),
+            "cold_restart_s": round(rec["result"]["cold_median_s"], 3),
+            "source": "benchmarks/results/recovery.json", "command": rec["command"], "date": rec["date"]}
+
+
+def _ran(section: dict) -> str:
+    """`command` (run on DATE, on MACHINE), from a stored section."""
+    return f"`{section['command']}` (run on {section['date']}, {section.get('machine', '?').split(';')[0]})"
+
+
+def _arg(section: dict, flag: str) -> int:
+    words = section["command"].split()
+    return int(words[words.index(flag) + 1])
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def _met_at(rows: list[dict], key: str, ok, label) -> str:
+    met = [label(r) for r in rows if ok(r[key])]
+    missed = [label(r) for r in rows if not ok(r[key])]
+    if not missed:
+        return "met at every size"
+    return f"**not met** at {_and(missed)}" + (f", met at {_and(met)}" if met else "")
+
+
+def readme_demo(results: dict) -> list[str]:
+    demo = results["demo"]
+    lines = demo["result"]["text"].splitlines()
+    summary = [line for line in lines if line.startswith("airay: ")]
+    progress = [line for line in lines if line.startswith("[airay] step ")]
+    out = [f"It ends with a summary like this one, from a real run of {_ran(demo)}; the grow steps and times "
+           "depend on how fast replacements start:", "", "```", *summary, "```", ""]
+    if progress:
+        out.append(f"While it runs, each round prints a progress line (`{progress[-2 if len(progress) > 1 else -1]}`).")
+    if demo.get("source"):  # a result not produced by this script (see its "source")
+        out.append("(Quoted from README before its figures were generated; `python -m benchmarks.run --only demo` "
+                   "reruns it.)")
+    return out
+
+
+def readme_recovery(results: dict) -> list[str]:
+    s = results["recovery"]
+    rec, med = s["result"], s["result"]["median"]
+
+    def runs(key: str) -> str:
+        return ", ".join(f"{w[key]:.2f}" for w in rec["warm"])
+
+    ratio = rec["cold_median_s"] / med["recovery_s"]
+    return [f"{_ran(s)}: 4 workers, ZeRO-2, tiny GPT, CPU/gloo, one worker SIGKILLed mid-step; median of "
+            f"{len(rec['warm'])}.", "",
+            "| | seconds |", "| --- | --- |",
+            f"| detection | {med['detection_s']:.3f} |",
+            f"| drain (survivors out of their collectives) | {med['drain_s']:.3f} |",
+            f"| re-form (process group + engine, warm processes) | {med['reform_s']:.3f} (runs: {runs('reform_s')}) |",
+            f"| checkpoint reload, resharded 4 → 3 | {med['reload_s']:.3f} |",
+            f"| **recovery_s** (detection → first step at the new size) | **{med['recovery_s']:.2f}** "
+            f"(runs: {runs('recovery_s')}) |",
+            (f"| plain cold restart: fresh actors (no airay warm-up), imports, engine, DeepSpeed's own load of the "
+             f"checkpoint, first step | {rec['cold_median_s']:.1f} " if rec.get("cold_kind") == "plain" else
+             f"| cold start of a fresh 4-worker run resuming the same checkpoint | {rec['cold_median_s']:.1f} ")
+            + f"(runs: {', '.join(f'{c:.1f}' for c in rec['cold_s'])}) |", "",
+            f"Warm recovery is {ratio:.1f}x faster than a cold restart here (targets: < 3 s, "
+            f"{_met(med['recovery_s'] < 3)}; ≥ 5x, {_met(ratio >= 5)})."]
+
+
+def readme_checkpoint(results: dict) -> list[str]:
+    s = results["checkpoint"]
+    ck, mib = s["result"], 2**20
+    rows = sorted(ck["sizes"], key=lambda r: r["parameters"])
+    small, large = rows[0], rows[-1]
+
+    def size(r: dict) -> str:
+        return f"{r['parameters'] / 1e6:.1f}M"
+
+    gbps = [r["commit_gb_per_s"] for r in rows]
+    rss = [r["worker_rss_vs_footprint"] for r in rows]
+    return [f"{_ran(s)}: the tiny GPT at d_model {_and([str(r['d_model']) for r in rows])}, 8 layers "
+            f"({_and([size(r) for r in rows])} parameters); {ck['workers']} workers on one-CPU nodes of a local "
+            "cluster, ZeRO-2, memory saves every 2 steps, durable every 4, a worker killed at step 7 and regrown; "
+            "no sleep, every step is CPU work. Times in seconds.", "",
+            "| d_model | checkpoint | driver-node peak RSS | worker peak / footprint | held per save | DeepSpeed "
+            "sync save | commit to memory | peer copy | reshard reload | recovery_s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *[f"| {r['d_model']} | {r['bytes'] / mib:.0f} MiB | {r['driver_node_peak_rss'] / mib:.0f} MiB | "
+              f"{r['worker_rss_vs_footprint']:.2f} | {r['held_median_s']:.3f} | {r['sync_save_s']:.3f} | "
+              f"{r['commit_median_s']:.2f} | {r.get('copy_median_s') or 0:.2f} | {r['reshard_load_median_s']:.2f} | "
+              f"{r['recovery_s']:.2f} |" for r in rows], "",
+            f"Driver-node peak RSS, smallest size to largest: x{ck['driver_node_rss_growth']:.2f} (target ≤ 1.5: "
+            f"{_met(ck['driver_node_rss_growth'] <= 1.5)}). Held per save (`held_s`: the save call, the wait for "
+            "the previous save, the next step's wait) / DeepSpeed's synchronous save of the same state: "
+            f"{large['held_vs_sync']:.3f} at {size(large)}, {small['held_vs_sync']:.3f} at {size(small)} "
+            f"(target ≤ 0.10: {_met_at(rows, 'held_vs_sync', lambda v: v <= 0.10, size)}). A worker's peak RSS / "
+            f"its footprint before the first save: {min(rss):.2f}-{max(rss):.2f} (target ≤ 1.5: "
+            f"{_met_at(rows, 'worker_rss_vs_footprint', lambda v: v <= 1.5, size)}). Commit to memory, aggregated: "
+            f"{min(gbps):.2f}-{max(gbps):.2f} GB/s (target ≥ 1: {_met_at(rows, 'commit_gb_per_s', lambda v: v >= 1, size)}). "
+            f"Recovery at {size(large)}: {large['recovery_s']:.1f} s (target < 10 s: {_met(large['recovery_s'] < 10)}), "
+            f"of which the resharded reload {large['reshard_load_median_s']:.1f} s."]
+
+
+def readme_overhead(results: dict) -> list[str]:
+    s = results["overhead"]
+    o = s["result"]
+    steps = _arg(s, "--steps") - _arg(s, "--warmup")
+    head = (f"{_ran(s)}: steady-state samples/s under airay against plain DeepSpeed processes "
+            "(torch.distributed, no Ray) with the same model, config and samples, same world size (2), over "
+            f"{steps} steady-state steps per run, {len(o['ratios'])} interleaved pairs: plain "
+            f"{o['median']['plain']:.1f} samples/s, airay {o['median']['airay']:.1f}, ")
+    if "ci95" not in o["median"]:
+        return [head + f"median pair ratio **{o['median']['ratio']:.3f}** with no interval (the pairs spread from "
+                f"{min(o['ratios']):.2f} to {max(o['ratios']):.2f}: too few to resolve the 0.97 target)."]
+    lo, hi = o["median"]["ci95"]
+    return [head + f"ratio **{o['median']['ratio']:.3f}**, 95% confidence interval [{lo:.3f}, {hi:.3f}] "
+            f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)})."]
+
+
+def readme_startup(results: dict) -> list[str]:
+    s = results["startup"]
+    med = s["result"]["median"]
+    a = med["airay"]
+    out = [f"{_ran(s)}: `airay run` to the first completed step, 4 workers on a 4-node local cluster: "
+           f"**{a['total']:.1f} s** (driver {a['driver']:.1f}, cluster {a['cluster']:.1f}, actors and imports "
+           f"{a['actor'] + a['imports']:.1f}, engine {a['engine']:.1f}, first step {a['first_step']:.2f})"]
+    if "ray_train" in med:
+        out[-1] += f"; Ray Train on the same job {med['ray_train']['total']:.1f} s"
+    if "baseline" in med:
+        out[-1] += f"; airay before the start-up work {med['baseline']['total']:.1f} s"
+    out[-1] += "."
+    return out
+
+
+def readme_decision(results: dict) -> list[str]:
+    s = results["decision"]
+    rows = sorted(s["result"], key=lambda r: r["workers"])
+    top = rows[-1]
+    return [f"{_ran(s)}: the controller's decision path after a failure (classify the round, shrink or wait, new "
+            f"batch plan, renumber survivors) at {top['workers']:,} workers: {top['median_ms']:.2f} ms median "
+            f"(target < 100 ms: {_met(top['median_ms'] < 100)}; "
+            + ", ".join(f"{r['median_ms']:.3f} ms at {r['workers']:,}" for r in rows[:-1]) + ")."]
+
+
+def readme_raytrain(results: dict) -> list[str]:
+    s = results["raytrain"]
+    rt = s["result"]
+    args = rt["args"]
+    parts = []
+    for fault, sides in rt["median"].items():
+        if fault == "schedule":
+            continue
+        a, b = sides["airay"], sides["ray_train"]
+        redo = (f"both sides redo {a['steps_redone'][0]:.0f} steps" if a["steps_redone"][0] == b["steps_redone"][0]
+                else f"airay redoes {a['steps_redone'][0]:.0f} steps, Ray Train {b['steps_redone'][0]:.0f}")
+        same = abs(a["final_loss"][0] - b["final_loss"][0]) < 1e-4
+        loss = ("the same loss" if same else
+                f"losses {a['final_loss'][0]:.6f} (airay) and {b['final_loss'][0]:.6f} (Ray Train)")
+        parts.append(f"{fault.capitalize()} loss: recovery {a['recovery_s'][0]:.2f} s vs {b['recovery_s'][0]:.1f} s "
+                     f"({b['recovery_s'][0] / a['recovery_s'][0]:.0f}x), wall {a['wall_s'][0]:.1f} s vs "
+                     f"{b['wall_s'][0]:.1f} s ({b['wall_s'][0] / a['wall_s'][0]:.1f}x); {redo} and end on {loss}")
+    return [f"{_ran(s)}. {pacing(rt)}. Recovery against Ray Train's elastic `TorchTrainer` (`ScalingConfig(num_workers=(2, "
+            "4))`, `FailureConfig`, per-rank DeepSpeed checkpoints reported to Ray Train, universal conversion at a "
+            "new world size, health checks every 0.2 s where its default polls every 2 s) on the same model, "
+            f"samples and fault, a fresh 4-node local cluster per run; {args['steps']} steps, the fault at step "
+            f"{args['fault_step']}, medians of {args['repeats']}; recovery is fault → first step after. "
+            + ". ".join(parts) + "."]
+
+
+def readme_goodput(results: dict) -> list[str]:
+    s = results["goodput"]
+    if "calibration" in s["result"]:
+        g = s["result"]
+        med, runs = g["median"], g["runs"]
+        each = ", ".join(f"{r['goodput']:.3f}" for r in runs["airay"])
+        return [f"{_ran(s)}. {pacing(g)}. {g['args']['repeats']} runs per side over {g['args']['window']:.0f} s windows, "
+                f"{g['args']['faults']} faults each at the same offsets (worker SIGKILL, worker SIGTERM, node lost "
+                "and added back), each side checkpointing at its own Young/Daly interval: airay "
+                f"**{med['airay']:.3f}** goodput (runs {each}) "
+                f"against Ray Train's {med['ray_train']:.3f} ({med['airay'] / med['ray_train']:.2f}x); target ≥ 0.95: "
+                f"{_met(med['airay'] >= 0.95)}. The simulator predicts {g['predicted_median']:.3f} for airay on the "
+                "same schedule (see BENCHMARKS.md for the gap)."]
+    gp, args = s["result"], s["result"]["args"]
+    med = gp["median"]["schedule"]
+    a, b = med["airay"], med["ray_train"]
+    lost = ", ".join(f"{cause.replace('_', ' ')} {v:.1f} s" for cause, v in a["lost_s"].items())
+    faults = gp["schedule"]["fault_steps"]
+    n = args["schedule_repeats"]
+    runs = "one run per side" if n == 1 else f"medians of {n} runs per side"
+    lines = [f"{_ran(s)}. {pacing(gp)}. The same job for {args['schedule_steps']} steps, a checkpoint every "
+             f"{args['schedule_ckpt_every']}, a worker SIGKILLed at steps {_and([str(f) for f in faults])} (half-way "
+             f"between checkpoints), {runs}. airay "
+             f"**{a['goodput'][0]:.3f}** goodput (wall {a['wall_s'][0]:.0f} s; lost: {lost}) against Ray Train's "
+             f"{b['goodput'][0]:.3f} (wall {b['wall_s'][0]:.0f} s). Target airay goodput ≥ 0.9: "
+             f"{_met(a['goodput'][0] >= 0.9)}."]
+    if "raytrain" in results:
+        rt = results["raytrain"]
+        short = statistics.median([r["goodput"] for r in rt["result"]["recovery"]["worker"]["airay"]])
+        lines[0] += (f" The {rt['result']['args']['steps']}-step runs of the recovery comparison, where start-up is "
+                     f"most of the wall time, give {short:.2f}.")
+    if "simulator" in med:
+        sim = med["simulator"]
+        lines[0] += (" The simulator, replaying that run (the same faults at the same moments, its measured step, "
+                     f"checkpoint, recovery and replacement times), predicts {sim['predicted']:.3f} against the "
+                     f"{sim['measured']:.3f} measured over the same window.")
+    return lines
+
+
+def readme_gpu(results: dict) -> list[str]:
+    s = results["gpu"]
+    g = s["result"]
+    p, a, m = g["plain"], g["airay"], g["model"]
+    return [f"{_ran(s)}: the CUDA/NCCL path and MFU: a {g['parameters'] / 1e9:.2f}B-parameter decoder (the tiny "
+            f"GPT at d_model {m['d_model']}, {m['n_layers']} layers, {m['seq_len']} tokens; bf16, ZeRO-1) on one "
+            f"{g['gpu']}, a world of 1 on `{a['device']}` with {a['backend'].upper()} through airay against plain "
+            f"DeepSpeed in one process: airay {a['tokens_per_s']:,.0f} tokens/s, MFU {a['mfu']:.3f} (plain "
+            f"{p['tokens_per_s']:,.0f}, {p['mfu']:.3f}; ratio **{g['ratio_step']:.3f}** per step, "
+            f"{g['ratio_wall']:.3f} in wall time with the driver's round trips); the two runs' losses agree within "
+            f"{g['max_loss_rel_diff']:.1e} (relative) at every step."]
+
+
+def readme_simulate(results: dict) -> list[str]:
+    s = results["simulate"]
+    rows = s["result"]
+    top = max(r["gpus"] for r in rows)
+    at = {r["policy"]: r for r in rows if r["gpus"] == top}
+    sizes = sorted({r["gpus"] for r in rows})
+    return [f"{_ran(s)}: a discrete-event simulation of {_and([f'{g:,}' for g in sizes])} GPUs (per-GPU MTBF, "
+            "node replacement time, checkpoint cost, Daly's optimum interval) comparing shrink-and-continue, "
+            "wait-for-replacement and restart-all; warm recovery and cold restart default to airay's measured "
+            "ones (airay/measured.json, from the recovery section: rerun this section when that one changes). "
+            f"At {top:,} GPUs (fleet MTBF {at['shrink']['fleet_mtbf_h']:.1f} h, a node back "
+            f"after 30 min): " + ", ".join(f"{p} {r['goodput']:.3f}" for p, r in at.items()) + " goodput."]
+
+
+def readme_data(results: dict) -> list[str]:
+    s = results["data"]
+    d = s["result"]
+    return [f"- **Measured.** {_ran(s)}: {d['rows']:,} rows of 129 int32 tokens, {d['workers']} workers, medians "
+            f"of {d['repeats']}: airay's path delivers {d['airay_median']:,.0f} samples/s per worker vs "
+            f"{d['plain_median']:,.0f} for a plain torch DataLoader per rank over its share of the same files, all "
+            f"ranks at once (**{d['ratio']:.2f}x**, target ≥ 0.8x: {_met(d['ratio'] >= 0.8)}); the demo model waits "
+            f"for data {d['data_wait_share']:.2%} of its step time paced by its sleep"
+            + (f", {d['data_wait_share_unpaced']:.2%} unpaced (CPU-bound steps)" if "data_wait_share_unpaced" in d
+               else " (no unpaced run yet)")
+            + f" (target < 5%: {_met(max(d['data_wait_share'], d.get('data_wait_share_unpaced', 0)) < 0.05)}). "
+            "The reduced run is the data section of `python -m benchmarks.run --reduced`."]
+
+
+README_BLOCKS = {  # README marker name -> (the results it needs, renderer)
+    "startup": (("startup",), readme_startup),
+    "demo": (("demo",), readme_demo),
+    "data": (("data",), readme_data),
+    "recovery": (("recovery",), readme_recovery),
+    "checkpoint": (("checkpoint",), readme_checkpoint),
+    "overhead": (("overhead",), readme_overhead),
+    "decision": (("decision",), readme_decision),
+    "raytrain": (("raytrain",), readme_raytrain),
+    "goodput": (("goodput",), readme_goodput),
+    "gpu": (("gpu",), readme_gpu),
+    "simulate": (("simulate",), readme_simulate),
+}
+BLOCK = re.compile(r"<!-- measured:([\w-]+) -->\n.*?<!-- /measured:\1 -->", re.S)
+
+
+def _wrap(lines: list[str], width: int = 100) -> list[str]:
+    """Wrap prose lines like the rest of README; tables and code blocks stay as they are."""
+    out, fenced = [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or line.startswith(("```", "|")) or len(line) <= width:
+            out.append(line)
+            continue
+        indent = "  " if line.startswith("- ") else ""
+        wrapped = textwrap.wrap(line, width, subsequent_indent=indent, break_long_words=False,
+                                break_on_hyphens=False)
+        for i in range(1, len(wrapped)):  # a continuation line must not read as a list item, heading or table
+            while re.match(r"\s*([-+*>#|]|\d+[.)])(\s|$)", wrapped[i]) and " " in wrapped[i].strip():
+                word, rest = wrapped[i].strip().split(" ", 1)
+                wrapped[i - 1] += " " + word
+                wrapped[i] = indent + rest
+        out += wrapped
+    return out
+
+
+def readme_blocks(results: dict[str, dict]) -> dict[str, str]:
+    """Each README block's text, from the stored results."""
+    blocks = {}
+    for name, (needs, renderer) in README_BLOCKS.items():
+        missing = [n for n in needs if n not in results]
+        blocks[name] = ("\n".join(_wrap(renderer(results))) if not missing else
+                        f"Not run yet: `{'`, `'.join(command(n) for n in missing)}`.")
+    return blocks
+
+
+def fill_readme(text: str, blocks: dict[str, str]) -> str:
+    """README with every generated block replaced by its rendering; a marker without a renderer is an error."""
+    unknown = [n for n in BLOCK.findall(text) if n not in blocks]
+    if unknown:
+        raise ValueError(f"README blocks without a renderer in benchmarks/run.py: {unknown}")
+    return BLOCK.sub(lambda m: f"<!-- measured:{m.group(1)} -->\n{blocks[m.group(1)]}\n<!-- /measured:{m.group(1)} -->",
+                     text)
+
+
+def write_generated(results: dict[str, dict] | None = None) -> list[Path]:
+    """Write airay/measured.json and README's blocks from benchmarks/results; returns the files changed."""
+    results = load_results() if results is None else results
+    changed, outputs = [], [(README, fill_readme(README.read_text(), readme_blocks(results)))]
+    if "recovery" in results:  # else the committed airay/measured.json stays
+        outputs.append((MEASURED, json.dumps(measured_defaults(results), indent=1) + "\n"))
+    for path, text in outputs:
+        if not path.exists() or path.read_text() != text:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+            changed.append(path)
+    return changed
 
 
 def main() -> int:
@@ -315,7 +764,7 @@ def main() -> int:
     args = ap.parse_args()
     # Reduced mode leaves out the long goodput run (its renderer is unit-tested); the GPU section runs
     # only where CUDA is (--only gpu), else it is rendered from its stored result.
-    names = [*FULL, "simulate", *GPU_ONLY]
+    names = [*FULL, "simulate", "demo", *GPU_ONLY]
     only = [n for n in args.only.split(",") if n]
     if [n for n in only if n not in names] or (only and args.reduced):
         ap.error(f"--only takes sections of {names}, in full mode only")
@@ -336,6 +785,9 @@ def main() -> int:
                 stored.write_text(json.dumps(sections[name], indent=1))
     Path(args.out).write_text(render(sections, args.reduced))
     print(f"[bench] wrote {args.out}")
+    if not args.reduced:  # a reduced run stores nothing: README and measured.json stay as they are
+        for path in write_generated():
+            print(f"[bench] wrote {path}")
     return 0
 
 

@@ -2,7 +2,8 @@
 the test suite: it takes ~20 minutes; tests/test_benchmarks.py runs the other sections reduced)."""
 
 from benchmarks.run import render_goodput
-from benchmarks.raytrain import schedule_fault_steps, window_goodput
+from airay.simulate import predicted_goodput, replay_measured
+from benchmarks.raytrain import schedule_fault_steps
 
 
 def test_faults_fall_half_way_between_checkpoints():
@@ -13,7 +14,10 @@ def test_faults_fall_half_way_between_checkpoints():
 def test_goodput_section_reports_both_sides_lost_time_and_the_simulator():
     measured = {"window_s": 100.0, "startup_s": 20.0, "full_world": 4, "step_s": 0.25, "blocking_s": 0.05,
                 "recovery_s": 1.0, "replacement_s": 10.0, "fault_offsets_s": [40.0], "kept_steps": 380}
-    assert window_goodput(measured) == 0.95
+    # The simulator's figure in airay.goodput's definition: the measured start-up is wall time too.
+    window = replay_measured(measured, 10).goodput
+    assert 0.5 < window < 1.0
+    assert abs(predicted_goodput(measured, 10) - window * 100.0 / 120.0) < 1e-12
     result = {"args": {"schedule_steps": 380, "schedule_ckpt_every": 10, "schedule_repeats": 1},
               "schedule": {"fault_steps": [205]},
               "median": {"schedule": {
@@ -50,8 +54,40 @@ def test_data_section_reports_both_sides_the_ratio_and_the_wait_share():
 
     result = {"workers": 2, "rows": 60000, "repeats": 3, "plain": [3483.0, 5188.0, 4027.0],
               "airay": [7673.0, 6698.0, 7153.0], "plain_median": 4027.0, "airay_median": 7153.0,
-              "ratio": 7153.0 / 4027.0, "data_wait_share": 0.0001, "fit_steps": 60}
+              "ratio": 7153.0 / 4027.0, "data_wait_share": 0.0001, "data_wait_share_unpaced": 0.0123,
+              "fit_steps": 60}
     text = "\n".join(render_data(result))
     assert "| plain DataLoader (baseline) | 4027 | 3483-5188 | 1 |" in text
     assert "| airay (Ray Data path) | 7153 | 6698-7673 | **1.78** (target ≥ 0.8) |" in text
-    assert "60,000 rows" in text and "**0.01%** (target < 5%)" in text
+    assert "60,000 rows" in text and "paced (the demo model's 0.1 s sleep per forward) **0.01%**" in text
+    assert "unpaced (no sleep: CPU-bound steps) **1.23%** (target < 5%)" in text
+
+
+def test_goodput_schedule_and_young_daly_interval_in_steps():
+    from benchmarks.goodput import interval_steps, schedule
+
+    plan = schedule(1200.0, 6)
+    assert [off for off, _ in plan] == [100.0, 300.0, 500.0, 700.0, 900.0, 1100.0]
+    assert [k for _, k in plan] == ["node", "kill", "preempt"] * 2
+    # sqrt(2 C M) - C: C 0.04 s, M 200 s -> 3.96 s of work, at 0.1 s a step -> 40 steps.
+    assert interval_steps(0.04, 200.0, 0.1) == 40
+    assert interval_steps(2.0, 200.0, 0.1) == 263  # a dearer checkpoint: longer between them
+
+
+def test_goodput_window_section_reports_each_run_causes_simulator_and_target():
+    from benchmarks.run import render_goodput
+
+    run = {"goodput": 0.96, "lost_s": {"startup": 20.0, "recovery": 10.0, "replayed_steps": 2.0,
+                                       "checkpoint_blocking": 5.0, "other": 11.0}, "predicted": 0.97}
+    result = {"args": {"window": 1200.0, "faults": 6, "repeats": 2, "regrow": 60.0},
+              "schedule": [[100.0, "node"], [300.0, "kill"]], "mtbf_s": 200.0, "model_kwargs": {},
+              "calibration": {"airay": {"checkpoint_s": 0.04, "step_s": 0.1, "interval_steps": 40},
+                              "ray_train": {"checkpoint_s": 2.0, "step_s": 0.12, "interval_steps": 230}},
+              "runs": {"airay": [run, {**run, "goodput": 0.94}], "ray_train": [{"goodput": 0.5}, {"goodput": 0.6}]},
+              "median": {"airay": 0.95, "ray_train": 0.55}, "predicted_median": 0.97}
+    text = "\n".join(render_goodput(result))
+    assert "Unpaced" in text and "100 s a node lost, added back 60 s later; 300 s SIGKILL of a worker" in text
+    assert "airay C = 0.040 s, step 0.100 s -> every 40 steps" in text and "every 230 steps" in text
+    assert "| airay | 0.950 | 0.960, 0.940 | 1.73x |" in text and "| Ray Train | 0.550 | 0.500, 0.600 | 1.00x |" in text
+    assert "startup 20.0, recovery 10.0" in text and "predicts 0.970 for airay against 0.950 measured" in text
+    assert "**met**" in text

@@ -16,11 +16,11 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
-    for heading in ("## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput",
+    for heading in ("## Start-up", "## Recovery", "## Overhead", "## Controller decision path", "## Simulated goodput",
                     "## Recovery: airay vs Ray Train", "## Checkpoint: memory, held time per save", "## Data path"):
         assert heading in text
     # Every table row carries a number, and each section names the command that produced it.
-    assert text.count("`python benchmarks/") == 6 and "`airay simulate --gpus 1024" in text
+    assert text.count("`python benchmarks/") == 7 and "`airay simulate --gpus 1024" in text
     assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text
     # Warm recovery's parts are measured and add up to less than a cold start of the same checkpoint.
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
@@ -40,6 +40,12 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     assert [r[0] for r in rows] == ["| 64"]
     for r in rows:
         assert all(float(c.strip(" |M")) > 0 for c in r[2:]), r
+    # Start-up: `airay run` to the first step, in parts that add up to the total.
+    startup = next(line.split(" | ") for line in text.splitlines() if line.startswith("| airay | ")
+                   and "driver" in line)
+    parts = dict(p.rsplit(" ", 1) for p in startup[2].rstrip(" |").split(", "))
+    assert set(parts) == {"driver", "cluster", "connect", "placement", "actor", "imports", "engine", "first step"}
+    assert abs(sum(map(float, parts.values())) - float(startup[1])) < 0.2 and float(parts["engine"]) > 0
     # The data path delivered rows on both sides and its demo fit measured a data wait share.
     assert float(cells["plain DataLoader (baseline)"][1]) > 0 and float(cells["airay (Ray Data path)"][1]) > 0
     assert "`python benchmarks/data.py --reduced`" in text and "Data wait share of step time" in text

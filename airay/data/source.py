@@ -8,16 +8,20 @@ background thread. Either way the rank and micro-batch split is airay.data.layou
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from airay.data.layout import micro_batch_rows
 from airay.policy import BatchPlan
 
+if TYPE_CHECKING:  # torch is imported where a batch is made: the driver never needs it
+    import torch
+
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    import torch
+
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
@@ -157,6 +161,8 @@ def fetch_rank_batches(pieces: list, rank: int, plan: BatchPlan,
     table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
     columns = BlockAccessor.for_block(table).to_batch_format("numpy")
     # Copy: arrays read from the object store are read-only, and the step may run in-place ops.
+    import torch
+
     full = {k: torch.from_numpy(np.array(v)) for k, v in columns.items()}
     return [{k: v[rows.start - want_lo:rows.stop - want_lo] for k, v in full.items()}
             for rows in micro_batch_rows(plan, rank)]

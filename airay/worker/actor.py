@@ -26,6 +26,15 @@ from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, free_po
 from airay.worker.engine import backward_micro_batch, build_engine
 
 
+def _process_start_ts() -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return None
+
+
 class UserCodeError(RuntimeError):
     """An exception raised by the user's model, loss or data code: retrying will not fix it."""
 
@@ -43,6 +52,7 @@ class TrainWorker:
         import logging
         import warnings
 
+        self.timeline = {"process_start_ts": _process_start_ts(), "init_ts": time.time()}  # start-up parts
         import torch
 
         # Keep `ray job logs` readable: DeepSpeed logs every engine build at INFO, and torch
@@ -66,6 +76,7 @@ class TrainWorker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.engine = None
+        self._engine_built = False  # DeepSpeed's first build in a process is the slow one (warmup)
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
         self._world_sockets: dict[int, int] = {}
@@ -91,6 +102,7 @@ class TrainWorker:
         from airay.checkpoint.tiers import remove_stale_scratch
 
         remove_stale_scratch()
+        self.timeline["init_done_ts"] = time.time()
 
     def _on_sigterm(self, signum, frame) -> None:
         """A spot reclaim: finish the round (a rank cannot leave its peers mid-collective), report
@@ -114,17 +126,28 @@ class TrainWorker:
     def free_port(self) -> int:
         return free_port()
 
+    def ready(self) -> dict[str, Any]:
+        """Up, with DeepSpeed imported: enough for a world that forms at once (the run's first),
+        whose join builds the engine anyway. Returns info() and the start-up timeline."""
+        import deepspeed  # noqa: F401
+
+        self.timeline["ready_ts"] = time.time()
+        return {**self.info(), "timeline": dict(self.timeline)}
+
     def warmup(self) -> dict[str, Any]:
         """Build and drop a one-rank engine, so this worker's first real join is warm.
 
         DeepSpeed's first engine build in a process costs seconds (lazy imports, op checks);
         paying it here, while the worker stands by, keeps it off the critical path of a resize.
+        The run's first world skips it (`ready`): its joins are on the critical path either way.
         """
         t0 = time.perf_counter()
-        plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
-        self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__)
-        self.leave()
-        return {**self.info(), "warmup_s": time.perf_counter() - t0}
+        if not self._engine_built:  # one build per process is what warms it
+            plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
+            self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__)
+            self.leave()
+        self.timeline["warm_ts"] = time.time()
+        return {**self.ready(), "warmup_s": time.perf_counter() - t0}
 
     # ---- world membership ----------------------------------------------------------------
 
@@ -151,6 +174,7 @@ class TrainWorker:
         reset_zero3_globals()
         model = self._user(self.model_factory, seed=self.config.seed, **self.config.model.kwargs)
         self.engine = build_engine(model, self.config.deepspeed, self.plan, self.device)
+        self._engine_built = True
         from airay.checkpoint import staging
 
         staging.install(self.engine, self._ckpt_writer)

@@ -168,6 +168,7 @@ def ray_train_loop(config: dict) -> None:
     progress = Path(config["progress_dir"]) / f"rank{rank}.jsonl"
     node = ray.get_runtime_context().get_node_id()
     deadline = config.get("deadline")  # a run measured over a fixed window (benchmarks/goodput.py)
+    loss_sum = 0.0  # a restart past the deadline runs no step
     for step in range(start, config["steps"]):
         if deadline is not None:  # every rank stops at the same step: they agree through a collective
             late = torch.tensor([1.0 if time.time() > deadline else 0.0])

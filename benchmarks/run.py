@@ -57,6 +57,7 @@ FULL = {
     "startup": ["--repeats", "3", "--baseline", "c9acdb2"],
 }
 SCRIPT: dict[str, str] = {}  # sections run by another section's script
+TIMEOUT_S = {"goodput": 3 * 3600}  # seconds a section may run (default 30 min)
 REDUCED = {
     "recovery": ["--repeats", "1"],
     "overhead": ["--min-pairs", "1", "--max-pairs", "1", "--steps", "40", "--warmup", "20"],
@@ -70,8 +71,8 @@ SIMULATE_FULL = ["--gpus", "1024,4096,16384", "--days", "14", "--repeats", "5"]
 SIMULATE_REDUCED = ["--gpus", "1024", "--days", "2", "--repeats", "1"]
 
 
-def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+def _run(cmd: list[str], timeout_s: float = 1800) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return proc.stdout
@@ -411,7 +412,7 @@ def run_section(name: str, reduced: bool, tmp: Path) -> dict:
         result = json.loads(_run([sys.executable, "-m", "airay.cli", "simulate", *argv, "--json"]))
     else:
         out = tmp / f"{name}.json"
-        _run([sys.executable, str(ROOT / tool), *argv, "--json", str(out)])
+        _run([sys.executable, str(ROOT / tool), *argv, "--json", str(out)], TIMEOUT_S.get(name, 1800))
         result = json.loads(out.read_text())
     return {"result": result, "command": line, "date": datetime.date.today().isoformat(), "machine": machine()}
 

@@ -27,16 +27,6 @@ def _summary(result) -> str:
     return "\n".join(lines)
 
 
-def _process_start_ts() -> float | None:
-    """When this process started (the user pressed enter): start-up counts from here."""
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="airay", description="Elastic DeepSpeed training on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         from airay.api import fit
 
         try:
-            result = fit(config, launched_ts=_process_start_ts())
+            from airay.events import process_start_ts
+
+            result = fit(config, launched_ts=process_start_ts())  # the user pressed enter
         except ConfigError as exc:  # found once Ray is up (a dataset, a checkpoint path of another job)
             print(f"airay: {exc}", file=sys.stderr)
             return 2

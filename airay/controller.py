@@ -138,7 +138,7 @@ class Controller:
         started = self.rec.event("run_started", run_dir=str(self.rec.run_dir), max_steps=self.cfg.max_steps,
                                  global_batch_size=self.cfg.global_batch_size,
                                  **{k: round(v, 4) for k, v in self.launch.items()})
-        self.t_start = min(started["ts"], self.launch.get("launched_ts", started["ts"]))
+        self.t_start = goodput.run_start(started)
         error = None
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):

@@ -78,3 +78,13 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 def committed_losses(run_dir: str | os.PathLike) -> dict[int, float]:
     """Loss per step as finally committed: a replayed step's later record wins."""
     return {m["step"]: m["loss"] for m in read_jsonl(Path(run_dir) / "metrics.jsonl")}
+
+
+def process_start_ts() -> float | None:
+    """When this process started (psutil; None where it cannot tell): start-up counts from here."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return None

@@ -56,11 +56,21 @@ def kept_records(metrics: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {m["step"]: m for m in sorted(metrics, key=lambda m: m.get("ts", 0.0))}
 
 
+def work_s(record: dict[str, Any]) -> float:
+    """A step's work: its time less any wait for the previous save's writes (checkpoint blocking)."""
+    return record["step_time_s"] - (record.get("checkpoint_wait_s") or 0.0)
+
+
 def kept_step_s(records: list[dict[str, Any]]) -> float:
-    """Seconds of the steps that were kept (each step's last record; `step`, `step_time_s`, `ts`),
-    less any wait for a previous save (checkpoint blocking, not work). The numerator of goodput
-    for any trainer's step records: airay's metrics, or a baseline's (benchmarks/raytrain.py)."""
-    return sum(m["step_time_s"] - (m.get("checkpoint_wait_s") or 0.0) for m in kept_records(records).values())
+    """Seconds of the steps that were kept (each step's last record; `step`, `step_time_s`, `ts`).
+    The numerator of goodput for any trainer's step records: airay's metrics, or a baseline's
+    (benchmarks/raytrain.py)."""
+    return sum(work_s(m) for m in kept_records(records).values())
+
+
+def run_start(event: dict[str, Any]) -> float:
+    """When the run of a run_started event began: its launch, where the event carries it."""
+    return min(event["ts"], event.get("launched_ts", event["ts"]))
 
 
 def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts: float | None = None) -> Goodput:
@@ -72,13 +82,9 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
     wall = sum(end - start for start, end in spans)
 
     kept = kept_records(metrics)
-    # A step's wait for the previous save's host copies (checkpoint_wait_s) is checkpoint blocking.
-    def wait_s(m):
-        return m.get("checkpoint_wait_s") or 0.0
-
     kept_s = kept_step_s(metrics)
     replayed = len(metrics) - len(kept)
-    replayed_s = sum(m["step_time_s"] - wait_s(m) for m in metrics) - kept_s
+    replayed_s = sum(work_s(m) for m in metrics) - kept_s
 
     formed = [e["ts"] for e in events if e["type"] == "world_formed"]
     resizes = [e for e in events if e["type"] == "resize_finished"]
@@ -104,7 +110,7 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
         startup += max(0.0, (min(progress) if progress else end) - start)
 
     saves = [e for e in events if e["type"] == "checkpoint_saved"]
-    blocking = sum(save_held_s(e) for e in saves) + sum(wait_s(m) for m in metrics)
+    blocking = sum(save_held_s(e) for e in saves) + sum(m.get("checkpoint_wait_s") or 0.0 for m in metrics)
     recovery = 0.0
     for t0, t1, r, at_step in windows:
         inside = r.get("checkpoint_s", 0.0)  # a grow checkpoints first, inside its window
@@ -132,8 +138,7 @@ def run_spans(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
     """(start, end) of each run recorded in a run directory, in order. A run ends at its
     run_finished/run_failed event; one killed without either ends at its last record before the
     next run started. `end_ts` ends the last run (one still going)."""
-    # A run starts when it was launched (run_started carries it; older runs: the event itself).
-    starts = [min(e["ts"], e.get("launched_ts", e["ts"])) for e in events if e["type"] == "run_started"]
+    starts = [run_start(e) for e in events if e["type"] == "run_started"]
     records = [e["ts"] for e in events] + [m["ts"] for m in metrics]
     ends = [e["ts"] for e in events if e["type"] in ("run_finished", "run_failed")]
     spans = []

@@ -29,6 +29,7 @@ class LocalCluster:
             "num_cpus": 0, "num_gpus": 0, "object_store_memory": spec.object_store_memory,
             "_system_config": FAST_HEALTH_CHECK, "include_dashboard": False})
         self._added = 0
+        self._exit_hooks: list = []  # the nodes' own kill hooks (see _add_nodes), dropped at shutdown
         self._add_nodes(spec.local_nodes)
 
     @property
@@ -65,6 +66,7 @@ class LocalCluster:
         self._added += n
         for node in nodes:
             atexit.register(node.kill_all_processes, check_alive=False, allow_graceful=False)
+            self._exit_hooks.append(node.kill_all_processes)
         self.cluster.wait_for_nodes()
         return [node.node_id for node in nodes]
 
@@ -88,4 +90,9 @@ class LocalCluster:
         raise ValueError(f"node {node_id} is not a removable worker node of the local cluster")
 
     def shutdown(self) -> None:
+        import atexit
+
         self.cluster.shutdown()
+        for hook in self._exit_hooks:  # the processes are gone: a long-lived process keeps no hooks for them
+            atexit.unregister(hook)
+        self._exit_hooks = []

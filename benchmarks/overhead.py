@@ -47,22 +47,14 @@ def plain_rank(rank: int, world: int, port: int, steps: int, warmup: int, out: s
     """One rank of the baseline: what a user would write by hand with DeepSpeed alone."""
     import deepspeed.comm as dist
 
-    from airay.config import JobConfig, resolve_callable
-    from airay.data.source import SyntheticSource
-    from airay.policy import plan_batch
-    from airay.worker.engine import backward_micro_batch
-    from benchmarks.plain import plain_engine
+    from airay.config import JobConfig
+    from benchmarks.plain import plain_job, train_step
 
     cfg = JobConfig.from_dict({**SPEC, "max_steps": steps, "scaling": {"min_workers": world, "max_workers": world}})
-    plan = plan_batch(cfg.global_batch_size, cfg.micro_batch_size, world)
-    model = resolve_callable(cfg.model.factory)(seed=cfg.seed, **cfg.model.kwargs)
-    engine = plain_engine(model, cfg.deepspeed, plan, rank=rank, world=world, port=port)
-    loss_fn = resolve_callable(cfg.loss_fn)
-    data = SyntheticSource(resolve_callable(cfg.data.sample_fn), cfg.data.seed, cfg.data.kwargs)
+    engine, plan, loss_fn, data = plain_job(cfg, rank=rank, world=world, port=port)
     ends = []
     for step in range(steps):
-        for batch, samples in zip(data.micro_batches(step, rank, plan), plan.micro_sizes(rank)):
-            backward_micro_batch(engine, loss_fn(engine, batch), samples, plan)
+        train_step(engine, loss_fn, data, step, rank, plan)
         ends.append(time.time())
     dist.barrier()
     if rank == 0:

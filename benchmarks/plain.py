@@ -48,3 +48,30 @@ def plain_engine(model, deepspeed_config: dict[str, Any], plan, *, rank: int, wo
     join_world(rank, world, port, device)
     return build_engine(model, deepspeed_config, plan, device, load_universal=load_universal)
 
+
+def train_step(engine, loss_fn, data, step: int, rank: int, plan) -> float:
+    """One step of this rank's micro-batches of `step` (airay's weighting of an uneven share, so
+    the update equals airay's); returns the sum of micro-batch losses weighted by their samples."""
+    from airay.worker.engine import backward_micro_batch
+
+    total = 0.0
+    for batch, samples in zip(data.micro_batches(step, rank, plan), plan.micro_sizes(rank)):
+        loss = loss_fn(engine, batch)
+        backward_micro_batch(engine, loss, samples, plan)
+        total += loss.detach() * samples
+    return float(total)
+
+
+def plain_job(cfg, *, rank: int, world: int, port: int | None, device: str = "cpu"):
+    """The engine, batch plan, loss and samples of the job spec `cfg` for `rank` of `world`, built
+    as a plain DeepSpeed user would (no airay in the path): (engine, plan, loss_fn, data)."""
+    from airay.config import resolve_callable
+    from airay.data.source import SyntheticSource
+    from airay.policy import plan_batch
+
+    plan = plan_batch(cfg.global_batch_size, cfg.micro_batch_size, world)
+    model = resolve_callable(cfg.model.factory)(seed=cfg.seed, **cfg.model.kwargs)
+    engine = plain_engine(model, cfg.deepspeed, plan, rank=rank, world=world, port=port, device=device)
+    data = SyntheticSource(resolve_callable(cfg.data.sample_fn), cfg.data.seed, cfg.data.kwargs)
+    return engine, plan, resolve_callable(cfg.loss_fn), data
+

@@ -49,7 +49,7 @@ from airay.events import read_jsonl  # noqa: E402
 from airay.local_cluster import LocalCluster  # noqa: E402
 from airay.simulate import predicted_goodput  # noqa: E402
 import benchmarks.plain  # noqa: E402
-from benchmarks.plain import join_world, plain_engine  # noqa: E402
+from benchmarks.plain import join_world, plain_engine, train_step  # noqa: E402
 
 # Ray Train's workers cannot import `benchmarks` (not installed): its helpers travel by value.
 ray.cloudpickle.register_pickle_by_value(benchmarks.plain)
@@ -136,7 +136,6 @@ def ray_train_loop(config: dict) -> None:
     from airay.data.source import SyntheticSource
     from airay.models.tiny_gpt import build, loss, synthetic_sample
     from airay.policy import plan_batch
-    from airay.worker.engine import backward_micro_batch
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -176,11 +175,7 @@ def ray_train_loop(config: dict) -> None:
             if late.item():
                 break
         t_step = time.time()
-        loss_sum = 0.0
-        for batch, samples in zip(data.micro_batches(step, rank, plan), plan.micro_sizes(rank)):
-            out = loss(engine, batch)
-            backward_micro_batch(engine, out, samples, plan)
-            loss_sum += float(out.detach()) * samples
+        loss_sum = train_step(engine, loss, data, step, rank, plan)
         row = {"ts": time.time(), "step": step, "pid": os.getpid(), "node": node, "world": world,
                "step_time_s": time.time() - t_step}
         if (step + 1) % config["ckpt_every"] == 0 or step + 1 == config["steps"]:

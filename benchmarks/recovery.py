@@ -32,7 +32,7 @@ from airay.config import LocalClusterSpec  # noqa: E402
 from airay.events import read_jsonl  # noqa: E402
 from airay.local_cluster import LocalCluster  # noqa: E402
 import benchmarks.plain  # noqa: E402
-from benchmarks.plain import plain_engine  # noqa: E402
+from benchmarks.plain import plain_job, train_step  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(benchmarks.plain)  # Ray's workers cannot import `benchmarks`
 
@@ -71,22 +71,12 @@ class PlainRank:
             first_step: int, steps: int) -> float:
         """Imports, join, engine (benchmarks.plain), load `load_dir` (DeepSpeed's own loader),
         train `steps` steps from `first_step`, save to `save_dir`. Returns when its last step ended."""
-        from airay.config import resolve_callable
-        from airay.data.source import SyntheticSource
-        from airay.policy import plan_batch
-        from airay.worker.engine import backward_micro_batch
-
         cfg = job(Path("/nonexistent"), [], max_steps=first_step + steps)
-        plan = plan_batch(cfg.global_batch_size, cfg.micro_batch_size, world)
-        model = resolve_callable(cfg.model.factory)(seed=cfg.seed, **cfg.model.kwargs)
-        engine = plain_engine(model, cfg.deepspeed, plan, rank=rank, world=world, port=port)
+        engine, plan, loss_fn, data = plain_job(cfg, rank=rank, world=world, port=port)
         if load_dir is not None:
             engine.load_checkpoint(load_dir, tag="restart")
-        loss_fn = resolve_callable(cfg.loss_fn)
-        data = SyntheticSource(resolve_callable(cfg.data.sample_fn), cfg.data.seed, cfg.data.kwargs)
         for step in range(first_step, first_step + steps):
-            for batch, samples in zip(data.micro_batches(step, rank, plan), plan.micro_sizes(rank)):
-                backward_micro_batch(engine, loss_fn(engine, batch), samples, plan)
+            train_step(engine, loss_fn, data, step, rank, plan)
         if save_dir is not None:
             engine.save_checkpoint(save_dir, tag="restart")
         return time.time()

@@ -40,7 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.plain import plain_engine  # noqa: E402
+from benchmarks.plain import plain_job, train_step  # noqa: E402
 
 WORKERS = 4
 AIRAY_PARTS = ("driver", "cluster", "connect", "placement", "actor", "imports", "engine", "first_step")
@@ -107,22 +107,14 @@ def ray_train_loop(config: dict) -> None:
     t_enter = time.time()
     import ray.train
 
-    from airay.config import JobConfig, resolve_callable
-    from airay.data.source import SyntheticSource
-    from airay.policy import plan_batch
-    from airay.worker.engine import backward_micro_batch
+    from airay.config import JobConfig
 
     cfg = JobConfig.from_dict(config["spec"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    plan = plan_batch(cfg.global_batch_size, cfg.micro_batch_size, world)
-    model = resolve_callable(cfg.model.factory)(seed=cfg.seed, **cfg.model.kwargs)
-    engine = plain_engine(model, cfg.deepspeed, plan, rank=rank, world=world, port=None)
+    engine, plan, loss_fn, data = plain_job(cfg, rank=rank, world=world, port=None)
     t_engine = time.time()
-    loss_fn = resolve_callable(cfg.loss_fn)
-    data = SyntheticSource(resolve_callable(cfg.data.sample_fn), cfg.data.seed, cfg.data.kwargs)
-    for batch, samples in zip(data.micro_batches(0, rank, plan), plan.micro_sizes(rank)):
-        backward_micro_batch(engine, loss_fn(engine, batch), samples, plan)
+    train_step(engine, loss_fn, data, 0, rank, plan)
     t_step = time.time()
     with open(config["out"], "a") as f:
         f.write(json.dumps({"rank": rank, "enter": t_enter, "engine": t_engine, "step": t_step}) + "\n")

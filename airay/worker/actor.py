@@ -18,21 +18,13 @@ import ray
 from airay import chaos, commtime
 from airay.config import JobConfig, resolve_callable
 from airay.data.source import StreamedSource, SyntheticSource
+from airay.events import process_start_ts
 from airay.policy import BatchPlan
 from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_globals
 from airay.worker.device import assign_device
 from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, free_port, shutdown_sockets, \
     tcp_socket_fds
 from airay.worker.engine import backward_micro_batch, build_engine
-
-
-def _process_start_ts() -> float | None:
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return None
 
 
 class UserCodeError(RuntimeError):
@@ -52,7 +44,7 @@ class TrainWorker:
         import logging
         import warnings
 
-        self.timeline = {"process_start_ts": _process_start_ts(), "init_ts": time.time()}  # start-up parts
+        self.timeline = {"process_start_ts": process_start_ts(), "init_ts": time.time()}  # start-up parts
         import torch
 
         # Keep `ray job logs` readable: DeepSpeed logs every engine build at INFO, and torch
@@ -76,7 +68,6 @@ class TrainWorker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.engine = None
-        self._engine_built = False  # DeepSpeed's first build in a process is the slow one (warmup)
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
         self._world_sockets: dict[int, int] = {}
@@ -142,10 +133,9 @@ class TrainWorker:
         The run's first world skips it (`ready`): its joins are on the critical path either way.
         """
         t0 = time.perf_counter()
-        if not self._engine_built:  # one build per process is what warms it
-            plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
-            self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__)
-            self.leave()
+        plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
+        self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__)
+        self.leave()
         self.timeline["warm_ts"] = time.time()
         return {**self.ready(), "warmup_s": time.perf_counter() - t0}
 
@@ -174,7 +164,6 @@ class TrainWorker:
         reset_zero3_globals()
         model = self._user(self.model_factory, seed=self.config.seed, **self.config.model.kwargs)
         self.engine = build_engine(model, self.config.deepspeed, self.plan, self.device)
-        self._engine_built = True
         from airay.checkpoint import staging
 
         staging.install(self.engine, self._ckpt_writer)

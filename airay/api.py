@@ -7,19 +7,13 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
-from airay.config import ConfigError, JobConfig
+from airay.config import ConfigError, JobConfig, resolve_run_dir
+from airay.checkpoint.storage import mask_secrets
 from airay.controller import Controller, Result
 from airay.events import RunRecorder
 from airay.data.prepare import prepare, prepare_dataset
 from airay.local_cluster import LocalCluster
-
-
-def resolve_run_dir(config: JobConfig) -> Path:
-    if config.run_dir:
-        return Path(config.run_dir)
-    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 @contextlib.contextmanager
@@ -52,7 +46,8 @@ def preemption_signals(controller: Controller):
 
 
 def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None, dataset=None,
-        launched_ts: float | None = None) -> Result:
+        launched_ts: float | None = None, driver_attempt: int | None = None,
+        previous_exit: str | None = None) -> Result:
     """Train `config` to max_steps, recovering from lost workers and nodes on the way.
 
     Connects to the Ray already initialised in this process, else `config.ray_address`, else
@@ -65,10 +60,15 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
     cluster) is released on return, also when the run fails.
     `launched_ts`: when the user launched the run (the `airay run` process start; default: this
     call). Wall time, goodput and start-up count from it: every second the user waits.
+    `driver_attempt`: set by `airay run`'s supervisor (airay.supervisor): this process is its
+    driver, restarted if it dies (attempt 0 first; `previous_exit`: how the last one ended).
     """
     import ray
 
     launch = {"launched_ts": launched_ts or time.time(), "fit_ts": time.time()}
+    if driver_attempt is None and any(c.fault == "kill_driver" for c in config.chaos):
+        raise ConfigError("chaos kill_driver kills the driver process: run the job with `airay run` (it restarts "
+                          "its driver, health.max_driver_restarts > 0); airay.fit() runs the driver in your process")
 
     if config.needs_local_cluster and config.cluster is None and local_cluster is None:
         raise ConfigError("chaos remove_node/add_node act on a local cluster: set cluster.local_nodes "
@@ -81,7 +81,7 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
     run_dir = resolve_run_dir(config)
     recorder = RunRecorder(run_dir, echo=echo)
     config = config.model_copy(update={"run_dir": str(run_dir)})
-    recorder.write_config(config.to_yaml())
+    recorder.write_config(mask_secrets(config.to_yaml()))  # credentials in a storage URI stay out of the run dir
     local = None
     started_ray = False
     try:
@@ -104,7 +104,8 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
             started_ray = True
         if dataset is not None:  # a Ray dataset is checked once Ray is up, before any actor starts
             config, stream = prepare_dataset(config, dataset)
-        controller = Controller(config, recorder, local or local_cluster, stream, dataset, launch)
+        controller = Controller(config, recorder, local or local_cluster, stream, dataset, launch,
+                                driver_attempt=driver_attempt, previous_exit=previous_exit)
         with preemption_signals(controller):
             return controller.run()
     finally:

@@ -33,7 +33,7 @@ def round_faults(chaos: list, fired: set[int], start: int, end: int, world: int)
     (the controller records those faults as skipped)."""
     out: dict[int, dict[int, dict]] = {}
     for i, c in enumerate(chaos):
-        if c.fault not in STEP_FAULTS or c.rank >= world:
+        if c.fault not in STEP_FAULTS or c.rank >= world or c.during != "step":
             continue
         if c.fault == "slow_worker":
             steps = range(max(start, c.at_step), min(end, c.at_step + c.steps))

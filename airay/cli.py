@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a spec field, value parsed as YAML (repeatable)")
     run.add_argument("--json", action="store_true", help="print the result as JSON")
+    run.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the supervised driver itself
     addr_help = "Ray dashboard address, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS, else the local cluster)"
     submit = sub.add_parser("submit", help="submit a job spec to a running Ray cluster (Ray's Job API)")
     submit.add_argument("spec", help="job spec YAML, inside the working directory")
@@ -100,16 +101,41 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"airay: {exc}", file=sys.stderr)
             return 2
+        from airay import supervisor
+        from airay.events import process_start_ts
+
+        if not args.driver and config.health.max_driver_restarts > 0:
+            # This process supervises; the driver runs in a child it restarts if it dies.
+            from airay.config import resolve_run_dir
+
+            run_dir = str(resolve_run_dir(config))
+            driver_argv = ["run", args.spec, *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir,
+                           "--driver", *(["--json"] if args.json else [])]
+            return supervisor.supervise(driver_argv, run_dir, config.health.max_driver_restarts, process_start_ts())
+        import os
+
         from airay.api import fit
 
+        attempt = int(os.environ.get(supervisor.ATTEMPT_ENV, "0")) if args.driver else None
+        launched = os.environ.get(supervisor.LAUNCHED_ENV)
         try:
-            from airay.events import process_start_ts
-
-            result = fit(config, launched_ts=process_start_ts())  # the user pressed enter
+            # Start-up counts from when the user pressed enter: the supervisor's start, or ours.
+            result = fit(config, launched_ts=float(launched) if launched else process_start_ts(),
+                         driver_attempt=attempt, previous_exit=os.environ.get(supervisor.PREVIOUS_EXIT_ENV))
         except ConfigError as exc:  # found once Ray is up (a dataset, a checkpoint path of another job)
             print(f"airay: {exc}", file=sys.stderr)
             return 2
+        except Exception:
+            if not args.driver:
+                raise
+            import traceback
+
+            traceback.print_exc()  # e.g. the cluster could not be reached: the supervisor tries again
+            return supervisor.DRIVER_FAILED_EXIT
         print(json.dumps(result.__dict__, indent=2, default=str) if args.json else _summary(result))
+        if result.status == "driver_failed":
+            print("airay: the driver failed (traceback above, and in events.jsonl); it is restarted", file=sys.stderr)
+            return supervisor.DRIVER_FAILED_EXIT
         if result.status == "preempted":
             print("airay: preempted; run the same command again to resume from the checkpoint above")
         # A preempted run exits cleanly (0): it stopped as asked and left a checkpoint to resume.

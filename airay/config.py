@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -182,6 +183,9 @@ class CheckpointSpec(_Spec):
     memory_keep_last: int = Field(2, ge=1, description="memory-tier checkpoints kept on each node")
     preemption_grace_s: float = Field(
         30, gt=0, description="after SIGTERM (spot reclaim), the run checkpoints and exits within this long")
+    upload_retries: int = Field(
+        2, ge=0, description="a durable upload that fails is tried again this many times (its files wait in "
+        "the memory tier) before the checkpoint counts as failed (health.max_checkpoint_failures)")
 
     @field_validator("path")
     @classmethod
@@ -211,9 +215,12 @@ class CheckpointSpec(_Spec):
 
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
                     "corrupt_checkpoint", "corrupt_memory_copy", "lose_node_memory", "slow_worker",
-                    "lose_data_block", "stall_data_block"]
+                    "lose_data_block", "stall_data_block", "kill_driver", "break_storage"]
 # Faults the driver strikes on the data it hands a round (airay.chaos.spoil_rows), not at a round's start.
 DATA_FAULTS = ("lose_data_block", "stall_data_block")
+# Where a kill_worker or hang_worker strikes: inside a training step, or inside the next world
+# formation (join), checkpoint save or checkpoint load once the run has reached at_step.
+ChaosPoint = Literal["step", "form", "save", "load"]
 
 
 class ChaosSpec(_Spec):
@@ -234,12 +241,19 @@ class ChaosSpec(_Spec):
     `steps` steps (a straggler). lose_data_block / stall_data_block (streamed data): the rows of
     step `at_step` that `rank` trains on come from a block whose owner is gone (ObjectLostError)
     or that never arrives (a data.fetch_timeout_s timeout); the step need not start a round.
+    kill_worker and hang_worker take `during`: step (default), or form / save / load: the rank
+    is killed (hangs) inside the first world formation, checkpoint save or checkpoint load at or
+    after step `at_step`. kill_driver: the driver process SIGKILLs itself at the start of
+    `at_step` (a supervised driver, `airay run`, is restarted and resumes). break_storage: from
+    `at_step` on, every write to the durable checkpoint directory fails (the directory is moved
+    aside and a file put in its place; restored when the run ends).
     """
 
     fault: ChaosKind
     at_step: int = Field(ge=0)
     rank: int = Field(0, ge=0, description="the rank the fault strikes; remove_node: the node of this rank")
     hang_mode: Literal["sleep", "sigstop"] = Field("sleep", description="hang_worker only")
+    during: ChaosPoint = Field("step", description="kill_worker and hang_worker only: where the fault strikes")
     delay_s: float = Field(0.5, gt=0, description="slow_worker only: extra seconds per step")
     steps: int = Field(5, ge=1, description="slow_worker only: how many steps the rank is slow")
 
@@ -258,6 +272,13 @@ class TimeoutSpec(_Spec):
     collective_timeout_s: float = Field(120, gt=0, description="no rank blocks longer in a collective")
     survivor_drain_s: float = Field(30, gt=0, description="after a loss, wait this long for survivors to stop")
     grow_check_every_n_steps: int = Field(1, ge=1, description="how often to look for new capacity")
+    grow_settle_s: float = Field(
+        5, ge=0, description="once a worker stands by to grow the world, wait up to this long for workers still "
+        "starting that would grow it further: one checkpoint and re-formed world for replacements seconds apart")
+    phase_timeout_s: float = Field(
+        600, gt=0, description="a rank that makes no progress this long inside a world formation (process "
+        "group and engine build), a checkpoint save or a checkpoint load is hung: killed and replaced. Every "
+        "driver wait on the ranks is bounded by it or by hang_timeout_s")
     hang_timeout_s: float = Field(
         60, gt=0, description="a rank whose step progress (micro-batch and phase, read by a heartbeat from "
         "another thread) stands still this long is hung: killed and replaced like a crash. Must be longer "
@@ -290,6 +311,13 @@ class HealthSpec(_Spec):
         2.0, gt=1, description="a rank whose local step time exceeds the other ranks' median by this factor "
         "(and by straggler_min_excess_s) is reported as a straggler")
     straggler_min_excess_s: float = Field(0.1, ge=0)
+    max_checkpoint_failures: int = Field(
+        3, ge=1, description="consecutive checkpoints that fail (after their retries) before the run ends "
+        "failed: a run that cannot checkpoint would lose everything it trains from then on")
+    max_driver_restarts: int = Field(
+        3, ge=0, description="a driver process that dies (killed, out of memory, a crash) is restarted this many "
+        "times by `airay run` (also under `airay submit` and `ray job submit`); the new driver resumes from the "
+        "newest checkpoint in the run directory. 0: no supervision")
 
 
 class JobConfig(_Spec):
@@ -350,6 +378,8 @@ class JobConfig(_Spec):
         if self.max_steps is None and self.data.epochs is None:
             raise ValueError("set max_steps (or data.epochs for a parquet or Ray dataset)")
         for i, fault in enumerate(self.chaos):
+            if fault.during != "step" and fault.fault not in ("kill_worker", "hang_worker"):
+                raise ValueError(f"chaos[{i}].during is for kill_worker and hang_worker; remove it from {fault.fault}")
             if self.max_steps is not None and fault.at_step >= self.max_steps:
                 raise ValueError(f"chaos[{i}].at_step ({fault.at_step}) must be < max_steps ({self.max_steps})")
             if fault.rank >= self.scaling.max_workers:
@@ -371,6 +401,9 @@ class JobConfig(_Spec):
             if fault.fault == "slow_worker" and fault.at_step + fault.steps > self.max_steps:
                 raise ValueError(f"chaos[{i}]: slow_worker steps ({fault.steps}) run past max_steps "
                                  f"({self.max_steps}); lower chaos[{i}].steps or at_step")
+            if fault.fault == "break_storage" and self.checkpoint.path and "://" in self.checkpoint.path:
+                raise ValueError(f"chaos[{i}]: break_storage acts on a checkpoint directory; checkpoint.path is "
+                                 f"the URI {self.checkpoint.path}: leave it unset or give a directory")
             if fault.fault in DATA_FAULTS and self.data.source == "synthetic":
                 raise ValueError(f"chaos[{i}]: {fault.fault} spoils a block of streamed data; it needs "
                                  "data.source parquet or dataset")
@@ -384,8 +417,9 @@ class JobConfig(_Spec):
             raise ValueError(f"data.fetch_timeout_s ({fetch:g}) must be < timeouts.hang_timeout_s ({hang:g}): a rank "
                              "waiting that long for its data would be declared hung and killed, though the data is "
                              "at fault; lower data.fetch_timeout_s or raise timeouts.hang_timeout_s")
-        steps = [(c.at_step, c.rank) for c in self.chaos if c.fault not in ("add_node", "slow_worker")]
-        dup = sorted({s for s in steps if steps.count(s) > 1})
+        steps = [(c.at_step, c.rank, c.during) for c in self.chaos
+                 if c.fault not in ("add_node", "slow_worker", "kill_driver", "break_storage")]
+        dup = sorted({s[:2] for s in steps if steps.count(s) > 1})
         if dup:
             raise ValueError(f"chaos: more than one fault at (at_step, rank) {dup}; give each its own step or rank")
         return self
@@ -434,6 +468,13 @@ class JobConfig(_Spec):
     @property
     def zero_stage(self) -> int:
         return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+
+def resolve_run_dir(config: JobConfig) -> Path:
+    """The run directory: the spec's, else runs/NAME-TIMESTAMP (fixed once, by whoever starts the run)."""
+    if config.run_dir:
+        return Path(config.run_dir)
+    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

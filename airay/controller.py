@@ -8,26 +8,27 @@ them. Decisions come from airay.policy and airay.health; actors live in airay.wo
 from __future__ import annotations
 
 import enum
+import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import ray
 
-from airay import chaos, goodput, policy
+from airay import goodput, policy
+from airay.chaos_hook import ChaosHook
 from airay.checkpoint.layout import CheckpointInfo, job_identity
 from airay.checkpoint.loading import CheckpointUnavailable
 from airay.checkpoint.manager import Checkpointer
 from airay.checkpoint.tiers import memory_base
-from airay.config import DATA_FAULTS, JobConfig
+from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.data.pipeline import DataLog, Feeder, Stream
 from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
     summarize_failures
 from airay.local_cluster import LocalCluster
-from airay.placement import default_worker_resources
 from airay.telemetry import Telemetry, eta_s, progress_line
-from airay.worker_group import WorkerGroup, nodes_died
+from airay.worker_group import WorkerGroup
 
 
 # How long to wait for Ray to declare a node dead when an actor became unreachable. With the
@@ -64,6 +65,8 @@ class Result:
     error: str | None = None
     resizes: list[dict[str, Any]] = field(default_factory=list)
     time_lost_s: dict[str, float] = field(default_factory=dict)  # per cause, see airay.goodput.CAUSES
+    durable_step: int | None = None  # the newest step committed to durable storage
+    traceback: str | None = None  # where the driver failed, when it was not a decision of the run
 
 
 @dataclass
@@ -80,7 +83,8 @@ class _PendingResize:
 
 class Controller:
     def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None,
-                 stream: Stream | None = None, dataset=None, launch: dict[str, float] | None = None):
+                 stream: Stream | None = None, dataset=None, launch: dict[str, float] | None = None,
+                 driver_attempt: int | None = None, previous_exit: str | None = None, group_factory=WorkerGroup):
         self.cfg = config
         self.launch = launch or {}  # when the user launched the run, and the cluster's start (airay.api.fit)
         self.rec = recorder
@@ -92,8 +96,9 @@ class Controller:
         self.job = job_identity(config.name, config.model.model_dump(mode="json"), config.zero_stage)
         self.memory_base = str(memory_base(ck.memory_path, root))
         self.ckpt = Checkpointer(root, config.zero_stage, ck.keep_last, recorder, self.job, self.memory_base,
-                                 ck.memory_keep_last)
+                                 ck.memory_keep_last, ck.upload_retries, config.health.max_checkpoint_failures)
         self.group: WorkerGroup | None = None
+        self.group_factory = group_factory  # WorkerGroup; unit tests script one without Ray (tests/fake_group.py)
         # A streamed dataset's feeder buffers a round plus what workers prefetch beyond it.
         self.feeder = Feeder(stream, config.max_steps, config.steps_per_round + config.data.prefetch_steps + 1,
                              config.data.readers, dataset) if stream is not None else None
@@ -106,7 +111,6 @@ class Controller:
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
         self.kept_step_s = 0.0  # sum of step_times, kept as it changes (read every step)
-        self.fired: set[int] = set()  # indices of chaos faults already injected
         self.failures: list[Failure] = []  # every failure, for the budget and the summary
         self.incidents: list[float] = []  # when each recovery began (the budget's sliding window)
         self.node_failures: dict[str, int] = {}
@@ -120,7 +124,15 @@ class Controller:
         self.telemetry = Telemetry(config.name, recorder.run_dir)
         self._last_round_end: float | None = None  # for the ETA: the pace of the last round
         self.preempt_deadline: float | None = None  # set by SIGTERM (request_preemption)
-        self.chaos_cleanups: list = []  # undo what data faults left behind (airay.chaos.bad_block)
+        # Chaos at the named points (airay.chaos_hook); faults an earlier driver of this run
+        # directory injected (it was killed and restarted) are not injected again.
+        self.chaos = ChaosHook(config.chaos, recorder, local, root, read_jsonl(recorder.run_dir / "events.jsonl"))
+        # Under `airay run` a driver that dies is restarted (airay.supervisor): which attempt this is.
+        self.supervised = driver_attempt is not None
+        self.driver_attempt, self.previous_exit = driver_attempt or 0, previous_exit
+        self.traceback: str | None = None  # of an exception that ended the run without a decision
+        self.warned_unpickle = False  # checkpoints are pickles: said once, at the first load
+        self.failed_phase = "round"  # the call the failure being recovered from struck in
 
     def request_preemption(self, signal_name: str = "SIGTERM") -> None:
         """The driver is told to go (a spot reclaim): checkpoint at the end of the round in
@@ -135,10 +147,17 @@ class Controller:
     def run(self) -> Result:
         # Wall time (and goodput) is measured from this event, as airay.goodput does from the file.
         # From the launch when known: the driver's imports and a local cluster's start are waited for too.
+        restart = {}
+        if self.driver_attempt:
+            self.rec.event("driver_restarted", attempt=self.driver_attempt, previous_exit=self.previous_exit,
+                           max_driver_restarts=self.cfg.health.max_driver_restarts)
+            restart = {"driver_restart": self.driver_attempt}
         started = self.rec.event("run_started", run_dir=str(self.rec.run_dir), max_steps=self.cfg.max_steps,
-                                 global_batch_size=self.cfg.global_batch_size,
+                                 global_batch_size=self.cfg.global_batch_size, **restart,
                                  **{k: round(v, 4) for k, v in self.launch.items()})
-        self.t_start = goodput.run_start(started)
+        # A restarted driver continues its run: wall time from the run's start (airay.goodput.run_spans).
+        spans = goodput.run_spans(read_jsonl(self.rec.run_dir / "events.jsonl"), [])
+        self.t_start = spans[-1][0] if restart and spans else goodput.run_start(started)
         error = None
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):
@@ -146,6 +165,8 @@ class Controller:
                               State.RECOVERING: self._recovering, State.GROWING: self._growing}[self.state]()
         except Exception as exc:  # every failure ends as a recorded run_failed, never a leak
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RunFailed) else str(exc)
+            # A decision (RunFailed) carries its reason; anything else is a driver bug: its traceback.
+            self.traceback = None if isinstance(exc, RunFailed) else traceback.format_exc()
             self.state = State.FAILED
         finally:
             self.data_log.close()
@@ -162,11 +183,7 @@ class Controller:
                 except Exception as exc:  # the cluster is going away: the tiers go with its nodes
                     self.rec.event("checkpoint_cleanup_failed", error=f"{type(exc).__name__}: {exc}")
                 self.group.shutdown()
-            for cleanup in self.chaos_cleanups:
-                try:
-                    cleanup()
-                except Exception:
-                    pass
+            self.chaos.close()
             self.telemetry.close()
         return self._result(error)
 
@@ -177,9 +194,10 @@ class Controller:
         if self.feeder is not None:  # the data pipeline starts up while workers do
             latest = self.ckpt.latest()
             self.feeder.seek(latest.step if latest else 0)
-        per_worker = sc.resources_per_worker or default_worker_resources(ray.cluster_resources())
-        self.group = WorkerGroup(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
-                                 self.cfg.timeouts.survivor_drain_s, self.memory_base, self.job)
+        per_worker = sc.resources_per_worker or self.group_factory.default_resources()
+        self.group = self.group_factory(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
+                                        self.cfg.timeouts.survivor_drain_s, self.memory_base, self.job,
+                                        self.cfg.timeouts.phase_timeout_s)
         self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
         # Room for the whole world, as a standing request the autoscaler acts on (a launcher
         # cluster that starts small grows; a lost node is replaced), withdrawn when the run ends.
@@ -222,18 +240,18 @@ class Controller:
         if self.preempt_deadline is not None:
             return self._preempt()
         self.ckpt.poll()
+        self._check_checkpoints()
         if self.step % self.cfg.timeouts.grow_check_every_n_steps == 0 and self._can_grow():
             return State.GROWING
         # Data faults strike whatever round holds their step: the round is re-run from its start.
-        pending = [c.at_step for i, c in enumerate(self.cfg.chaos) if i not in self.fired and c.fault not in DATA_FAULTS]
         end = policy.next_round_end(self.step, self.cfg.max_steps, self.cfg.steps_per_round,
-                                    self.cfg.checkpoint.interval, pending)
+                                    self.cfg.checkpoint.interval, self.chaos.round_starts())
         if self.pending_resize is not None:
             end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
-        faults, after_launch, struck = self._inject(self.step, end)
+        faults, after_launch, struck = self.chaos.round(self.step, end, self.group, self.ckpt)
         feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps,
                                  timeout_s=self.cfg.data.pipeline_timeout_s) if self.feeder else None
-        struck = self._spoil(feed, self.step, end) or struck
+        struck = self.chaos.feed(feed, self.step, end, self.group, self.plans) or struck
         t_launch = time.time()
         outcomes, values = self.group.train(self.step, end, faults, after_launch,
                                             hang_timeout_s=self.cfg.timeouts.hang_timeout_s, feed=feed)
@@ -245,6 +263,7 @@ class Controller:
         if self.step % self.cfg.checkpoint.interval == 0 or self.step == self.cfg.max_steps:
             if not self._checkpoint():
                 return State.RECOVERING
+            self._check_checkpoints()
         preempted = [rank for rank, v in enumerate(values) if v and v[-1].get("preempted")]
         if preempted:
             return self._release_preempted(preempted)
@@ -262,7 +281,7 @@ class Controller:
                            checkpoint_step=self.ckpt.last_saved_step)
         outcomes = tuple(RankOutcome(r, "died", error="preempted (SIGTERM)", cause="Preempted") if r in ranks
                          else RankOutcome(r, "ok") for r in range(len(self.group.active)))
-        self.verdict = RoundVerdict("lost", tuple(ranks), outcomes=outcomes)
+        self.verdict, self.failed_phase = RoundVerdict("lost", tuple(ranks), outcomes=outcomes), "round"
         self.t_detect, self.detection_s = time.time(), None
         return State.RECOVERING
 
@@ -280,12 +299,12 @@ class Controller:
         # check gets a moment (NODE_VERDICT_WAIT_S) to tell a dead node from a dead process.
         lost = [r for r in verdict.lost_ranks if verdict.outcomes[r].kind != "hung"]
         suspects = {group.member(r).node_id for r in lost if "unavailable" in verdict.outcomes[r].error.lower()}
-        dead_nodes = nodes_died({group.member(r).node_id for r in lost}, suspects, NODE_VERDICT_WAIT_S)
+        dead_nodes = group.dead_nodes({group.member(r).node_id for r in lost}, suspects, NODE_VERDICT_WAIT_S)
         for rank in verdict.lost_ranks:
             m = group.member(rank)
             outcome = verdict.outcomes[rank]
             if outcome.kind == "hung":
-                self.rec.event("hang_detected", step=self.step, rank=rank, node_id=m.node_id,
+                self.rec.event("hang_detected", step=self.step, rank=rank, node_id=m.node_id, phase=self.failed_phase,
                                detection_s=self.detection_s, stalled_s=hangs[rank]["stalled_s"],
                                heartbeat=hangs[rank]["heartbeat"], progress=hangs[rank]["progress"],
                                error=outcome.error)
@@ -294,7 +313,7 @@ class Controller:
                 lost_node = m.node_id in dead_nodes
                 kind = "node_lost" if lost_node else outcome.fault
                 self.rec.event("node_lost" if lost_node else "worker_failed", step=self.step, rank=rank,
-                               node_id=m.node_id, outcome=outcome.fault, error=outcome.error,
+                               node_id=m.node_id, phase=self.failed_phase, outcome=outcome.fault, error=outcome.error,
                                detection_s=self.detection_s)
             self.failures.append(Failure(self.t_detect, kind, rank, m.node_id, self.step))
             if m.node_id:
@@ -383,8 +402,10 @@ class Controller:
         saved = self.ckpt.last_saved_step == self.step and self.ckpt.last_saved_durable
         if not saved and not self._checkpoint(durable=True):
             return State.RECOVERING  # a rank was lost meanwhile: recover, then checkpoint again
-        self.ckpt.wait()  # the commit's outcome: last_saved_step is None if it failed
-        self.rec.event("preempted", step=self.step, checkpoint_step=self.ckpt.last_saved_step,
+        self.ckpt.wait()  # the commit's outcome (retried on failure)
+        self._check_checkpoints()
+        self._require_durable("preemption")
+        self.rec.event("preempted", step=self.step, checkpoint_step=self.ckpt.last_durable_step,
                        checkpoint_s=time.time() - t0, within_grace=time.time() <= self.preempt_deadline)
         return State.PREEMPTED
 
@@ -393,7 +414,22 @@ class Controller:
             if not self._checkpoint():
                 return State.RECOVERING
         self.ckpt.wait()
+        self._check_checkpoints()
+        self._require_durable("final")
         return State.FINISHED
+
+    def _require_durable(self, which: str) -> None:
+        """The final and the preemption checkpoint are what the user keeps: a run whose one did
+        not reach durable storage (after its retries) has not finished; it fails and says why."""
+        if self.ckpt.last_durable_step != self.step:
+            raise RunFailed(f"the {which} checkpoint (step {self.step}) did not reach durable storage: "
+                            f"{self.ckpt.errors.get(self.step, 'it was not committed')}. {self.ckpt.durable_text()}")
+
+    def _check_checkpoints(self) -> None:
+        """A run that cannot checkpoint ends (health.max_checkpoint_failures): everything it
+        trained from then on would be lost with its next fault."""
+        if self.ckpt.fatal is not None:
+            raise RunFailed(self.ckpt.fatal)
 
     # ---- actions -------------------------------------------------------------------------------
 
@@ -404,8 +440,9 @@ class Controller:
         t_form = time.time()
         if self.feeder is not None:
             self.feeder.seek(candidates[0].step if candidates else 0)
-        outcomes, timings = self.group.form(size, self.plans[size])
-        if not self._ok(outcomes):
+        faults, t_call = self.chaos.call("form", self.step, size), time.time()
+        outcomes, timings = self.group.form(size, self.plans[size], faults)
+        if not self._ok(outcomes, t_call if faults else None, "form"):
             return False
         for found in self.group.foreign_tiers:
             self.rec.event("checkpoint_ignored", tier="memory", path=found["path"], node_id=found["node_id"],
@@ -442,14 +479,21 @@ class Controller:
         which has no good copy anywhere is rejected and the next tried. Returns what was loaded,
         None (nothing to load), or False (a rank was lost meanwhile)."""
         durable_steps = {c.step for c in candidates if c.tier == "durable"}
+        if candidates and not self.warned_unpickle:
+            self.warned_unpickle = True
+            print(f"airay: loading checkpoints from {self.ckpt.root}: DeepSpeed reads them with torch.load("
+                  "weights_only=False), which unpickles them and can run code: only load checkpoints you trust",
+                  file=sys.stderr, flush=True)
         for ckpt in candidates:
             t0 = time.time()
-            outcomes, values = self.group.load(ckpt, self.ckpt.durable.location if ckpt.step in durable_steps else None)
+            faults = self.chaos.call("load", ckpt.step, size)
+            outcomes, values = self.group.load(ckpt, self.ckpt.durable.location if ckpt.step in durable_steps else None,
+                                               faults)
             failed = [o for o in outcomes if o.kind != "ok"]
             if failed and all(o.kind == "errored" and o.cause == CheckpointUnavailable.__name__ for o in failed):
                 self.ckpt.reject(ckpt, failed[0].error, self.group)
                 continue
-            if not self._ok(outcomes):
+            if not self._ok(outcomes, t0 if faults else None, "load"):
                 return False
             self.step = values[0]["step"]
             if self.feeder is not None:
@@ -466,13 +510,14 @@ class Controller:
             return ckpt
         return None
 
-    def _ok(self, outcomes, fault_ts: float | None = None) -> bool:
+    def _ok(self, outcomes, fault_ts: float | None = None, phase: str = "round") -> bool:
         """True if every rank's call succeeded. A user-code error fails the run; any other
         failure is kept for _recovering (with its detection time; `fault_ts`: when our own
-        chaos struck, for detection_s)."""
+        chaos struck, for detection_s; `phase`: the call that failed: round, form, load, save)."""
         verdict = classify_round(outcomes)
         if verdict.kind == "ok":
             return True
+        self.failed_phase = phase
         if verdict.kind == "user_error":
             if self.user_retries >= self.cfg.health.retry_user_errors:
                 raise RunFailed(verdict.message + "\n(an error in user code is not retried: fix the code, "
@@ -512,9 +557,10 @@ class Controller:
         """Save this step: to durable storage on its interval and at the end, else to memory."""
         if durable is None:
             durable = self.step % self.cfg.checkpoint.every_n_steps == 0 or self.step == self.cfg.max_steps
+        faults, t_call = self.chaos.call("save", self.step, len(self.group.active)), time.time()
         outcomes = self.ckpt.save(self.group, self.step,
-                                  self.feeder.position(self.step) if self.feeder is not None else None, durable)
-        return self._ok(outcomes)
+                                  self.feeder.position(self.step) if self.feeder is not None else None, durable, faults)
+        return self._ok(outcomes, t_call if faults else None, "save")
 
     def _can_grow(self) -> bool:
         group = self.group
@@ -523,7 +569,9 @@ class Controller:
         while group.start_failures:
             self.rec.event("worker_start_failed", step=self.step, error=group.start_failures.pop(0))
         self._reserve_free_capacity()
-        return policy.should_grow(len(group.active), len(group.standby), self.sizes) is not None
+        ready_for = time.time() - min((m.ready_ts for m in group.standby), default=time.time())
+        return policy.grow_now(len(group.active), len(group.standby), len(group.pending), ready_for,
+                               self.cfg.timeouts.grow_settle_s, self.sizes)
 
     def _reserve_free_capacity(self) -> None:
         """Start workers (in the background) on free capacity, up to max_workers in all."""
@@ -533,67 +581,6 @@ class Controller:
             fit = min(want, group.capacity() - len(group.standby))
             if fit > 0:
                 group.reserve(fit, timeout_s=5.0)
-
-    def _inject(self, step: int, end: int) -> tuple[dict[int, dict[int, dict]], Any, bool]:
-        """Chaos for the round [step, end): the ranks' step faults, an after-launch hook (node
-        removal, so the world is mid-step when it strikes) and whether a fault strikes now."""
-        world = len(self.group.active)
-        faults = chaos.round_faults(self.cfg.chaos, self.fired, step, end, world)
-        removals = []
-        struck = False
-        for i, fault in enumerate(self.cfg.chaos):
-            if fault.at_step != step or i in self.fired or fault.fault in DATA_FAULTS:
-                continue
-            self.fired.add(i)
-            if fault.rank >= world and fault.fault != "add_node":
-                self.rec.event("fault_skipped", step=step, fault=fault.fault, rank=fault.rank,
-                               reason=f"world size is {world}")
-                continue
-            detail = {}
-            if fault.fault in chaos.CHECKPOINT_FAULTS:
-                # Damage the checkpoint the run would load (once committed, so the outcome is
-                # known), then make the run need one: kill the rank.
-                self.ckpt.wait(uploads=True)
-                detail = chaos.damage_checkpoint(fault.fault, self.ckpt.candidates(self.group), self.group,
-                                                 fault.rank, self.ckpt.durable.storage)
-                # A bad copy must be read by its own node's rank: then another rank is the one lost.
-                victim = (fault.rank + 1) % world if fault.fault == "corrupt_memory_copy" else fault.rank
-                faults.setdefault(victim, {})[step] = {"fault": "kill_worker"}
-                detail["killed_rank"] = victim
-            self.rec.event("fault_injected", step=step, fault=fault.fault, rank=fault.rank,
-                           **({"hang_mode": fault.hang_mode} if fault.fault == "hang_worker" else {}), **detail)
-            struck = struck or fault.fault not in ("add_node", "slow_worker")
-            if fault.fault == "remove_node":
-                removals.append(self.group.member(fault.rank).node_id)
-            elif fault.fault == "add_node":
-                node = self.local.add_node()
-                self.rec.event("node_added", step=step, node_id=node)
-
-        def remove_nodes():
-            for node_id in removals:
-                self.local.remove_node(node_id)
-
-        return faults, (remove_nodes if removals else None), struck
-
-    def _spoil(self, feed: dict[int, list] | None, start: int, end: int) -> bool:
-        """Data chaos for the round [start, end): the rows a rank trains on at a fault's step come
-        from a block that cannot be fetched. Whether one struck."""
-        world, struck = len(self.group.active), False
-        for i, fault in enumerate(self.cfg.chaos):
-            if fault.fault not in DATA_FAULTS or i in self.fired or not start <= fault.at_step < end:
-                continue
-            self.fired.add(i)
-            if fault.rank >= world:
-                self.rec.event("fault_skipped", step=fault.at_step, fault=fault.fault, rank=fault.rank,
-                               reason=f"world size is {world}")
-                continue
-            ref, cleanup = chaos.bad_block(fault.fault)
-            self.chaos_cleanups.append(cleanup)
-            feed[fault.at_step] = chaos.spoil_rows(feed[fault.at_step], *self.plans[world].rank_rows(fault.rank), ref)
-            self.rec.event("fault_injected", step=fault.at_step, fault=fault.fault, rank=fault.rank,
-                           round_start=start, block=ref.hex())
-            struck = True
-        return struck
 
     def _record_steps(self, start: int, end: int, values: list[list[dict]]) -> None:
         world = len(values)
@@ -614,7 +601,9 @@ class Controller:
                           data_wait_s=slowest["data_wait_s"], compute_s=slowest.get("compute_s"),
                           comm_s=slowest.get("comm_s"),
                           checkpoint_wait_s=max(r.get("checkpoint_wait_s", 0.0) for r in per_rank),
-                          tokens_per_s=tokens / step_time if tokens and step_time > 0 else None, ts=now)
+                          tokens_per_s=tokens / step_time if tokens and step_time > 0 else None,
+                          # When the step ended (its slowest rank), not when the round came back.
+                          ts=max(r.get("end_ts", now) for r in per_rank))
             self.rec.metric(**metric)
             self.ckpt.note_wait(step, metric["checkpoint_wait_s"])
             self.telemetry.step(metric, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
@@ -640,17 +629,22 @@ class Controller:
         run_dir = self.rec.run_dir
         g = goodput.compute(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), end_ts=end)
         status = "finished" if ok else "preempted" if self.state == State.PREEMPTED else "failed"
+        if status == "failed" and self.traceback is not None and self.supervised:
+            status = "driver_failed"  # a driver bug, not a decision: its supervisor restarts it
         result = Result(status=status, final_step=self.step,
                         final_loss=self.losses.get(self.step - 1), restarts=self.restarts,
                         world_sizes=self.world_sizes, goodput=g.goodput,
                         wall_s=wall, run_dir=str(run_dir), checkpoint=str(final.path) if final else None,
-                        error=error, resizes=self.resizes, time_lost_s={k: round(v, 4) for k, v in g.lost_s.items()})
+                        error=error, resizes=self.resizes, time_lost_s={k: round(v, 4) for k, v in g.lost_s.items()},
+                        durable_step=self.ckpt.last_durable_step, traceback=self.traceback)
         if status == "preempted":
             pass  # the `preempted` event says it; the run is not over
         elif ok:
             self.rec.event("run_finished", step=self.step, final_loss=result.final_loss, restarts=self.restarts,
-                           goodput=result.goodput, wall_s=wall, time_lost_s=result.time_lost_s)
+                           goodput=result.goodput, wall_s=wall, time_lost_s=result.time_lost_s,
+                           durable_step=result.durable_step)
         else:
-            self.rec.event("run_failed", step=self.step, error=error)
+            self.rec.event("run_failed" if status == "failed" else "driver_failed", step=self.step, error=error,
+                           traceback=self.traceback, durable_step=result.durable_step)
         self.rec.write_result(asdict(result))
         return result

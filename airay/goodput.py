@@ -19,6 +19,9 @@ older checkpoint and done again ("replayed_steps"). The rest of the wall time is
 - A run directory resumed by a later run of the same job holds several runs (one run_started
   each); wall time is the sum of their spans: the time between them, when no run of the job was
   going, is not lost time. Each run's start-up counts as startup.
+- driver_restart: a supervised driver that died (airay.supervisor), from its last record until
+  the restarted driver's world is formed. A restarted driver continues its run: the time it took
+  to come back is the user's wait, not a gap between runs.
 - other: the remainder — the driver's bookkeeping between rounds, waiting for the final
   checkpoint to commit, and rounding. It makes the causes add up to the wall time exactly.
 
@@ -35,7 +38,7 @@ from typing import Any
 
 from airay.events import read_jsonl
 
-CAUSES = ("startup", "recovery", "replayed_steps", "checkpoint_blocking", "other")
+CAUSES = ("startup", "recovery", "replayed_steps", "checkpoint_blocking", "driver_restart", "other")
 
 
 @dataclass
@@ -120,8 +123,18 @@ def compute(events: list[dict[str, Any]], metrics: list[dict[str, Any]], end_ts:
             inside = sum(save_held_s(e) for e in saves if e.get("step") == at_step)
         recovery += max(0.0, t1 - t0 - inside)
 
+    restart = 0.0
+    records = [e["ts"] for e in events] + [m["ts"] for m in metrics]
+    for e in events:
+        if e["type"] == "driver_restarted":
+            # From the dead driver's last record (its death, as near as the files tell) until
+            # the restarted driver's world is formed.
+            t0 = max([t for t in records if t < e["ts"]], default=e["ts"])
+            t1 = next((t for t in formed if t >= e["ts"]), e["ts"])
+            restart += max(0.0, t1 - t0)
+
     lost = {"startup": startup, "recovery": recovery, "replayed_steps": replayed_s,
-            "checkpoint_blocking": blocking}
+            "checkpoint_blocking": blocking, "driver_restart": restart}
     lost["other"] = max(0.0, wall - kept_s - sum(lost.values()))
     return Goodput(wall_s=wall, kept_step_s=kept_s, goodput=kept_s / wall if wall > 0 else 0.0,
                    lost_s={c: lost[c] for c in CAUSES}, kept_steps=len(kept), replayed_steps=replayed)
@@ -138,7 +151,8 @@ def run_spans(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
     """(start, end) of each run recorded in a run directory, in order. A run ends at its
     run_finished/run_failed event; one killed without either ends at its last record before the
     next run started. `end_ts` ends the last run (one still going)."""
-    starts = [run_start(e) for e in events if e["type"] == "run_started"]
+    # A restarted driver's run_started continues its run (see driver_restart).
+    starts = [run_start(e) for e in events if e["type"] == "run_started" and not e.get("driver_restart")]
     records = [e["ts"] for e in events] + [m["ts"] for m in metrics]
     ends = [e["ts"] for e in events if e["type"] in ("run_finished", "run_failed")]
     spans = []

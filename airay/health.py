@@ -91,8 +91,9 @@ def classify_round(outcomes: list[RankOutcome]) -> RoundVerdict:
 # ---- hangs ------------------------------------------------------------------------------------
 
 # A rank's progress inside a round, as its heartbeat reports it: (step, micro-batch, phase).
-# Phases in the order a step passes them; a rank at a smaller position is behind.
-PHASES = ("start", "data", "forward", "backward", "optimizer", "done")
+# Phases in the order a step passes them; a rank at a smaller position is behind. A join, save
+# or load is one phase of its own, its sub-steps counted in the micro-batch place.
+PHASES = ("start", "data", "forward", "backward", "optimizer", "done", "join", "save", "fetch", "load")
 
 
 def position(progress: dict) -> tuple[int, int, int]:

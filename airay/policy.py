@@ -119,6 +119,19 @@ def should_grow(world_size: int, free_slots: int, sizes: list[int]) -> int | Non
     return size if size is not None and size > world_size else None
 
 
+def grow_now(world_size: int, standby: int, pending: int, ready_for_s: float, settle_s: float,
+             sizes: list[int]) -> bool:
+    """Grow at this step? Only if the standby workers make a larger allowed size; and while more
+    workers are still starting (`pending`) that would make it larger yet, wait for them up to
+    `settle_s` after the first standby one was ready (`ready_for_s` ago): replacements that come
+    up seconds apart then cost one checkpoint and one re-formed world, not one each."""
+    target = should_grow(world_size, standby, sizes)
+    if target is None:
+        return False
+    more = should_grow(world_size, standby + pending, sizes)
+    return more is None or more == target or ready_for_s >= settle_s
+
+
 def ranks_to_idle(rank_nodes: list[str | None], keep: int) -> list[int]:
     """Which of the current ranks step out (to stand by) when only `keep` of them fit an allowed
     world size: those on the nodes with the fewest ranks first (a node that lost a GPU, not a

@@ -17,7 +17,8 @@ import yaml
 from airay import goodput
 from airay.events import read_jsonl
 
-FAULT_EVENTS = ("worker_failed", "node_lost", "hang_detected", "data_block_lost")
+FAULT_EVENTS = ("worker_failed", "node_lost", "hang_detected", "data_block_lost", "driver_restarted",
+                "checkpoint_failed")
 
 
 @dataclass
@@ -74,6 +75,25 @@ def lost_text(lost_s: dict[str, float]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in lost_s.items())
 
 
+def checkpoint_text(saved: list[dict[str, Any]]) -> str:
+    """Per tier: the newest step saved there and how many saves; the durable one is what survives
+    the cluster."""
+    parts = []
+    for tier in ("durable", "memory"):
+        steps = [e["step"] for e in saved if e.get("tier", "durable") == tier]
+        parts.append(f"{tier} {len(steps)} (newest step {steps[-1]})" if steps else f"{tier} none")
+    return ", ".join(parts)
+
+
+def fault_text(f: dict[str, Any]) -> str:
+    if f["type"] == "driver_restarted":
+        return f"driver restarted ({f.get('attempt')}) after {f.get('previous_exit')}"
+    if f["type"] == "checkpoint_failed":
+        return f"checkpoint_failed {f.get('tier')} step {f.get('step')}: {str(f.get('error', ''))[:80]}"
+    phase = f" in {f['phase']}" if f.get("phase") not in (None, "round") else ""
+    return f"{f['type']} rank {f.get('rank')} at step {f.get('step')}{phase}"
+
+
 def status_text(view: RunView) -> str:
     """The run as a few plain lines: progress, throughput, world, goodput and where time went."""
     g = view.goodput
@@ -92,9 +112,8 @@ def status_text(view: RunView) -> str:
     lines.append(f"goodput {g.goodput:.2f}: kept steps {g.kept_step_s:.1f}s of {g.wall_s:.1f}s; "
                  f"lost: {lost_text(g.lost_s)}")
     lines.append(f"restarts {view.restarts}, replayed step executions {g.replayed_steps}, "
-                 f"checkpoints {len(view.checkpoints)}"
-                 + (f" (last at step {view.checkpoints[-1]['step']})" if view.checkpoints else ""))
-    timeline = [(f["ts"], f"{f['type']} rank {f.get('rank')} at step {f.get('step')}") for f in view.faults]
+                 f"checkpoints: {checkpoint_text(view.checkpoints)}")
+    timeline = [(f["ts"], fault_text(f)) for f in view.faults]
     timeline += [(r["ts"], resize_text(r)) for r in view.resizes]
     for ts, text in sorted(timeline):
         lines.append(f"  {ts - view.t0:7.1f}s  {text}")

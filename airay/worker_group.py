@@ -36,6 +36,7 @@ class Member:
     started: float = field(default_factory=time.time)
     joined: dict[str, Any] = field(default_factory=dict)  # what its last join handed torch and DeepSpeed
     warm: bool = True  # started with a warm-up engine build, or has built an engine since
+    ready_ts: float = 0.0  # when it was up (and warm) and moved to standby
 
     @property
     def node_id(self) -> str | None:
@@ -44,12 +45,14 @@ class Member:
 
 class WorkerGroup:
     def __init__(self, spec: dict[str, Any], per_worker: dict[str, float], strategy: str,
-                 drain_s: float, memory_base: str, job: dict):
-        """`memory_base`: the job's memory-tier directory on every node; `job`: its identity."""
+                 drain_s: float, memory_base: str, job: dict, phase_timeout_s: float = 600.0):
+        """`memory_base`: the job's memory-tier directory on every node; `job`: its identity;
+        `phase_timeout_s`: a rank without progress this long in a join, save or load is hung."""
         self.spec = spec
         self.per_worker = per_worker
         self.strategy = strategy
         self.drain_s = drain_s
+        self.phase_timeout_s = phase_timeout_s
         self.pgs: list[PlacementGroup] = []
         self.active: list[Member] = []   # in the world, ordered by rank
         self.pending: list[Member] = []  # started, not yet ready
@@ -67,6 +70,44 @@ class WorkerGroup:
         self.stores: dict[str, Any] = {}  # node id -> its NodeStore
         self._store_starts: dict[str, Any] = {}  # node id -> a NodeStore started, not yet checked
         self.foreign_tiers: list[dict] = []  # other jobs' memory tiers the stores found (and cleared)
+
+    # ---- the cluster, as the controller needs it ---------------------------------------------
+
+    @staticmethod
+    def default_resources() -> dict[str, float]:
+        """One worker's bundle when the spec gives none: a GPU where the cluster has GPUs, else a CPU."""
+        return placement.default_worker_resources(ray.cluster_resources())
+
+    @staticmethod
+    def dead_nodes(nodes: set[str | None], suspects: set[str | None], wait_s: float) -> set[str | None]:
+        return nodes_died(nodes, suspects, wait_s)
+
+    # ---- results of calls in flight (checkpoint commits and uploads) --------------------------
+
+    @staticmethod
+    def ready(refs: list, timeout_s: float = 0.0) -> bool:
+        """Whether every call of `refs` has finished (within `timeout_s`)."""
+        return not refs or len(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) == len(refs)
+
+    @staticmethod
+    def results(refs: list, timeout_s: float) -> list:
+        """Every call's result; raises the first failure (or a timeout)."""
+        return ray.get(refs, timeout=timeout_s)
+
+    @staticmethod
+    def each_result(refs: list, keys: list, timeout_s: float) -> tuple[dict, dict]:
+        """Each call's result by its key, and {key: error} of the calls that failed (all within
+        one deadline of `timeout_s`)."""
+        from airay.checkpoint.manager import error_text
+
+        deadline = time.time() + timeout_s
+        done, failed = {}, {}
+        for key, ref in zip(keys, refs):
+            try:
+                done[key] = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+            except Exception as exc:  # the rank or store died, or its storage failed: the caller decides
+                failed[key] = error_text(exc)
+        return done, failed
 
     # ---- the nodes' checkpoint stores -------------------------------------------------------
 
@@ -240,6 +281,7 @@ class WorkerGroup:
                 continue
             except ray.exceptions.RayTaskError as exc:  # the user's model or spec fails: no retry
                 raise RuntimeError(f"a worker failed to start: {getattr(exc, 'cause', None) or exc}") from exc
+            m.ready_ts = time.time()
             self.standby.append(m)
             newly.append(m)
         return newly
@@ -255,8 +297,11 @@ class WorkerGroup:
 
     # ---- forming the world -----------------------------------------------------------------
 
-    def form(self, world_size: int, plan: BatchPlan) -> tuple[list[RankOutcome], dict]:
-        """Make a world of `world_size`: survivors keep their order, standby workers join after."""
+    def form(self, world_size: int, plan: BatchPlan, faults: dict[int, dict] | None = None
+             ) -> tuple[list[RankOutcome], dict]:
+        """Make a world of `world_size`: survivors keep their order, standby workers join after.
+        `faults`: chaos struck in the ranks' joins. A rank that dies or hangs meanwhile (rank 0
+        picking the rendezvous port included) comes back as its outcome, like one in a round."""
         # Joining workers take ranks grouped by node: co-located ranks are neighbours (the order
         # ring collectives favour), and a node's ranks are predictable for chaos at named ranks.
         self.standby.sort(key=lambda m: (m.node_id or "", m.bundle_index))
@@ -268,10 +313,13 @@ class WorkerGroup:
             self.active = [m for r, m in enumerate(self.active) if r not in idle]
         assert len(self.active) == world_size, (len(self.active), world_size)
         master = self.active[0]
-        port = ray.get(master.actor.free_port.remote())
-        refs = [m.actor.join.remote(rank, world_size, master.info["ip"], port, plan.__dict__)
+        (picked,), ports = self._gather([master.actor.free_port.remote()], self.phase_timeout_s, collective=False)
+        if picked.kind != "ok":
+            return [picked] + [RankOutcome(r, "ok") for r in range(1, world_size)], {}
+        faults = faults or {}
+        refs = [m.actor.join.remote(rank, world_size, master.info["ip"], ports[0], plan.__dict__, faults.get(rank))
                 for rank, m in enumerate(self.active)]
-        outcomes, values = self._gather(refs)
+        outcomes, values = self._gather(refs, self.phase_timeout_s, abort_port=ports[0])
         for m, v in zip(self.active, values):
             m.joined = v or {}
             m.warm = True  # its join built an engine
@@ -295,10 +343,13 @@ class WorkerGroup:
             after_launch()
         return self._gather(refs, hang_timeout_s)
 
-    def save(self, step: int, data_position: dict | None = None) -> tuple[list[RankOutcome], list]:
+    def save(self, step: int, data_position: dict | None = None,
+             faults: dict[int, dict] | None = None) -> tuple[list[RankOutcome], list]:
         """Every rank stages its part of `step` into its node's memory tier (a collective)."""
         self.ensure_stores()
-        return self._gather([m.actor.save.remote(step, data_position, self.memory_base) for m in self.active])
+        faults = faults or {}
+        return self._gather([m.actor.save.remote(step, data_position, self.memory_base, faults.get(rank))
+                             for rank, m in enumerate(self.active)], self.phase_timeout_s)
 
     def persist(self, step: int) -> list:
         """Every rank finishes writing its files of `step` and copies them to the next node's
@@ -321,7 +372,8 @@ class WorkerGroup:
             return ray.put(RuntimeError(f"no live node holds {names[:2]} of step {step}"))
         return stores[node].upload.remote(step, names, location)
 
-    def load(self, ckpt: CheckpointInfo, durable: str | None) -> tuple[list[RankOutcome], list]:
+    def load(self, ckpt: CheckpointInfo, durable: str | None,
+             faults: dict[int, dict] | None = None) -> tuple[list[RankOutcome], list]:
         """Every rank loads `ckpt` from the nearest good copy of each file it needs (its node's
         memory, a peer's, durable storage `durable`), resharded when the world size changed. In
         two phases: the files are found and verified first, with no collective, so a step with
@@ -331,18 +383,22 @@ class WorkerGroup:
                  for name, nodes in ckpt.holders.items()}
         spec = {"step": ckpt.step, "manifest": ckpt.manifest.to_json(), "memory_base": self.memory_base,
                 "peers": peers, "durable": durable}
-        outcomes, values = self._gather([m.actor.prepare_load.remote(spec) for m in self.active], collective=False)
+        outcomes, values = self._gather([m.actor.prepare_load.remote(spec) for m in self.active],
+                                        self.phase_timeout_s, collective=False)
         if any(o.kind != "ok" for o in outcomes):
             return outcomes, values
-        outcomes, loaded = self._gather([m.actor.load.remote(ckpt.step) for m in self.active])
+        faults = faults or {}
+        outcomes, loaded = self._gather([m.actor.load.remote(ckpt.step, faults.get(rank))
+                                         for rank, m in enumerate(self.active)], self.phase_timeout_s)
         return outcomes, [{**v, **(lv or {})} for v, lv in zip(values, loaded)]
 
     def _gather(self, refs: list, hang_timeout_s: float | None = None,
-                collective: bool = True) -> tuple[list[RankOutcome], list]:
+                collective: bool = True, abort_port: int | None = None) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
         (their collectives fail fast when a peer's sockets close: a `collective` call's failure
         wakes them with abort_world; a call that uses no collective leaves the world alone);
-        ranks still silent then are counted as lost. With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
+        ranks still silent then are counted as lost (`abort_port`: the rendezvous of a world still
+        forming, whose store connections are shut down instead). With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
         that makes no progress that long (airay.health.find_hung) is killed as hung."""
         by_ref = {ref: rank for rank, ref in enumerate(refs)}
         outcomes: dict[int, RankOutcome] = {}
@@ -386,7 +442,7 @@ class WorkerGroup:
                 deadline = self.first_failure_ts + self.drain_s
                 # The world is broken: wake every rank still inside a collective.
                 for ref, rank in by_ref.items() if collective else ():
-                    self.active[rank].actor.abort_world.remote()
+                    self.active[rank].actor.abort_world.remote(abort_port)
             if deadline is not None and time.time() >= deadline:
                 break
         for ref, rank in by_ref.items():
@@ -439,14 +495,14 @@ class WorkerGroup:
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+            except Exception as exc:  # e.g. its node is gone with it
+                print(f"airay: could not kill an actor at shutdown: {type(exc).__name__}: {exc}")
         self.active, self.pending, self.standby, self.stores, self._store_starts = [], [], [], {}, {}
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
-            except Exception:
-                pass
+            except Exception as exc:
+                print(f"airay: could not remove placement group {pg.id.hex()[:8]}: {type(exc).__name__}: {exc}")
         pg_ids = {pg.id.hex() for pg in self.pgs}
         self.pgs = []
         deadline = time.time() + timeout_s

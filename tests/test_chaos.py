@@ -94,3 +94,43 @@ def test_spoil_rows_replaces_only_the_ranks_rows_and_keeps_every_offset():
                 bad.append((pos, pos + b - a))
             pos += b - a
         assert (bad[0][0], bad[-1][1]) == (lo, hi)
+
+
+class Recorder:
+    """Events, as the run directory would hold them."""
+
+    def __init__(self):
+        self.events = []
+
+    def event(self, type_, step=None, **fields):
+        self.events.append({"type": type_, "step": step, **fields})
+        return self.events[-1]
+
+
+def test_faults_in_form_save_and_load_strike_once_at_the_first_such_call_past_their_step():
+    from airay.chaos_hook import ChaosHook
+
+    rec = Recorder()
+    hook = ChaosHook(specs({"fault": "kill_worker", "during": "save", "at_step": 10, "rank": 3},
+                           {"fault": "kill_worker", "during": "form", "at_step": 10, "rank": 2},
+                           {"fault": "hang_worker", "during": "load", "at_step": 5, "rank": 1},
+                           {"fault": "kill_worker", "at_step": 12, "rank": 0}), rec)
+    assert hook.round_starts() == [12]  # only step faults shape the rounds
+    assert hook.call("save", 5, world=4) == {} and hook.call("form", 0, world=4) == {}  # not reached yet
+    assert hook.call("save", 10, world=4) == {3: {"fault": "kill_worker", "hang_mode": "sleep", "delay_s": 0.5}}
+    assert hook.call("save", 15, world=4) == {}  # once
+    assert hook.call("form", 10, world=2) == {}  # rank 2 is outside a world of 2: skipped, said so
+    assert rec.events[-1]["type"] == "fault_skipped" and rec.events[-1]["chaos_index"] == 1
+    assert hook.call("load", 5, world=2) == {1: {"fault": "hang_worker", "hang_mode": "sleep", "delay_s": 0.5}}
+    injected = [e for e in rec.events if e["type"] == "fault_injected"]
+    assert [(e["chaos_index"], e["during"], e["step"]) for e in injected] == [(0, "save", 10), (2, "load", 5)]
+
+
+def test_a_restarted_driver_does_not_inject_a_fault_an_earlier_driver_of_the_run_injected():
+    from airay.chaos_hook import ChaosHook
+
+    chaos = specs({"fault": "kill_driver", "at_step": 12}, {"fault": "kill_worker", "during": "form", "at_step": 3})
+    earlier = [{"type": "fault_injected", "fault": "kill_driver", "chaos_index": 0}]
+    hook = ChaosHook(chaos, Recorder(), earlier_events=earlier)
+    assert hook.round_starts() == []  # kill_driver at 12 fired already: a restart resuming before 12 runs on
+    assert 0 in hook.call("form", 5, world=4)

@@ -156,3 +156,18 @@ def test_fault_and_health_fields_are_validated_with_the_fix():
     ok = JobConfig.from_dict({**base, "health": {"retry_user_errors": 1, "exclude_node_after_failures": 2},
                               "chaos": [{"fault": "oom_worker", "at_step": 3, "rank": 1}]})
     assert ok.health.retry_user_errors == 1 and ok.timeouts.hang_timeout_s < ok.timeouts.collective_timeout_s
+
+
+def test_chaos_points_and_storage_faults_are_checked_before_any_actor_starts():
+    base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+            "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 20,
+            "scaling": {"min_workers": 1, "max_workers": 4}}
+    ok = JobConfig.from_dict({**base, "chaos": [{"fault": "hang_worker", "during": "save", "at_step": 5},
+                                                {"fault": "kill_worker", "during": "form", "at_step": 5}]})
+    assert [c.during for c in ok.chaos] == ["save", "form"]
+    with pytest.raises(ConfigError, match=r"chaos\[0\]\.during is for kill_worker and hang_worker"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "oom_worker", "during": "save", "at_step": 5}]})
+    with pytest.raises(ConfigError, match="break_storage acts on a checkpoint directory"):
+        JobConfig.from_dict({**base, "checkpoint": {"path": "s3://bucket/x"},
+                             "chaos": [{"fault": "break_storage", "at_step": 5}]})
+    assert JobConfig.from_dict(base).health.max_driver_restarts == 3  # supervised by default

@@ -233,3 +233,114 @@ def test_failure_budget_fails_cleanly_with_a_summary(cluster, tmp_path, results)
     assert events(result, "run_failed")[0]["error"] == result.error
     t_fault = events(result, "fault_injected")[-1]["ts"]
     record(results, "failure_budget", result, events(result, "run_failed")[0]["ts"] - t_fault, "failed fast")
+
+
+TIMEOUTS = {"capacity_wait_s": 30, "hang_timeout_s": HANG_TIMEOUT_S, "collective_timeout_s": 30,
+            "survivor_drain_s": 10, "phase_timeout_s": 12}
+
+
+def test_kills_and_a_hang_inside_save_form_and_load_are_recovered(cluster, tmp_path, baseline, results):
+    """Faults outside a training round. At step 10 a rank is killed inside the save (step 10 is
+    not committed: the run resumes from step 5); another inside the join of the world that
+    re-forms; another inside the checkpoint load that follows. At step 15 a rank hangs inside
+    the save (its heartbeat answers, its progress stands still for timeouts.phase_timeout_s).
+    Each becomes a recovery like one in a round, with the phase named; none fails the run."""
+    result = run(cluster, tmp_path, "phases", [
+        {"fault": "kill_worker", "during": "save", "at_step": 10, "rank": 3},
+        {"fault": "kill_worker", "during": "form", "at_step": 10, "rank": 2},
+        {"fault": "kill_worker", "during": "load", "at_step": 5, "rank": 1},
+        {"fault": "hang_worker", "during": "save", "at_step": 15, "rank": 0}],
+        scaling={"min_workers": 1, "max_workers": 4}, timeouts=TIMEOUTS)
+    assert_recovered(result, baseline, (4,))
+    failed = events(result, "worker_failed")
+    assert [(e["phase"], e["rank"], e["outcome"]) for e in failed] == [("save", 3, "died"), ("form", 2, "died"),
+                                                                        ("load", 1, "died")]
+    assert all(e["detection_s"] is not None and e["detection_s"] < 10 for e in failed)
+    (uncommitted,) = [e for e in events(result, "checkpoint_failed") if e["step"] == 10]
+    assert "rank 3 died during the save" in uncommitted["error"]
+    loaded = [e["step"] for e in events(result, "checkpoint_loaded")]
+    assert loaded[0] == 5  # the step-10 save never committed: the one before it
+    (hang,) = events(result, "hang_detected")
+    assert (hang["phase"], hang["rank"], hang["heartbeat"]) == ("save", 0, True)
+    assert hang["stalled_s"] >= TIMEOUTS["phase_timeout_s"]
+    # One recovery took the three kills in a row (a resize ends at the first step of its world).
+    cascade, after_hang = [r for r in result.resizes if r["reason"] == "failure"][:2]
+    for name, e in (("kill_in_save", failed[0]), ("kill_in_form", failed[1]), ("kill_in_load", failed[2]),
+                    ("hang_in_save", hang)):
+        results[name] = {"outcome": "recovered", "world_sizes": result.world_sizes, "detect_s": e["detection_s"],
+                         "recover_s": cascade["recovery_s"] if name == "kill_in_load" else
+                         after_hang["recovery_s"] if name == "hang_in_save" else None,
+                         "resumed_step": cascade["resumed_step"] if name != "hang_in_save" else after_hang["resumed_step"],
+                         "restarts": result.restarts, "wall_s": result.wall_s}
+        assert MATRIX[name].outcome == "recovered"
+
+
+def test_a_durable_storage_that_fails_every_write_fails_the_run_with_the_newest_durable_step(cluster, tmp_path,
+                                                                                            baseline, results):
+    """From step 7 every write to the checkpoint directory fails (a file takes its place). The
+    uploads of the durable steps after it are retried and fail; two in a row
+    (health.max_checkpoint_failures) end the run, which says why and which step is the newest durable one. Training itself was
+    right all along, and the durable steps written before are intact."""
+    from airay.checkpoint.tiers import DurableTier
+
+    result = run(cluster, tmp_path, "storage", [{"fault": "break_storage", "at_step": 7}],
+                 checkpoint={"every_n_steps": EVERY, "upload_retries": 1}, health={"max_checkpoint_failures": 2})
+    assert result.status == "failed" and result.durable_step == 5
+    assert "2 consecutive durable checkpoints failed" in result.error, result.error
+    assert "The newest durable checkpoint is step 5" in result.error and "NotADirectoryError" in result.error
+    # Step 15 may be superseded by 20 while 10's upload is still being retried (one upload at a
+    # time, checkpoint_upload_skipped): the failures are 10 and the next durable step uploaded.
+    failed = [e for e in events(result, "checkpoint_failed") if e["tier"] == "durable"]
+    assert len(failed) >= 2 and failed[0]["step"] == 10 and failed[1]["step"] in (15, 20)
+    assert all(e["newest_durable_step"] == 5 for e in failed) and [e["consecutive"] for e in failed[:2]] == [1, 2]
+    retried = events(result, "checkpoint_retry")
+    assert [e["step"] for e in retried][:2] == [e["step"] for e in failed[:2]] and all(e["of"] == 1 for e in retried)
+    (failure,) = events(result, "run_failed")
+    assert failure["error"] == result.error and failure["durable_step"] == 5
+    losses = committed_losses(result.run_dir)
+    assert losses == pytest.approx({s: baseline[s] for s in losses}, rel=RTOL) and max(losses) >= 14
+    durable = DurableTier(str(tmp_path / "storage" / "checkpoints"), {"id": None}).complete()
+    assert [c.step for c in durable] == [5]  # restored when the run ended, with what it held
+    t_fault = events(result, "fault_injected")[0]["ts"]
+    results["broken_storage"] = {"outcome": "failed", "world_sizes": result.world_sizes,
+                                 "detect_s": failure["ts"] - t_fault, "recover_s": None, "resumed_step": None,
+                                 "restarts": result.restarts, "wall_s": result.wall_s}
+    assert MATRIX["broken_storage"].outcome == "failed"
+
+
+def test_a_killed_driver_is_restarted_and_the_run_finishes(cluster, tmp_path, baseline, results):
+    """`airay run` supervises its driver: SIGKILLed at step 12, it is restarted, the new driver
+    resumes from the newest checkpoint (step 10) on the same run directory and finishes, with
+    the losses of the fault-free run. The same entrypoint runs under `airay submit` and
+    `ray job submit`."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "driver"
+    spec_file = tmp_path / "driver.yaml"
+    spec_file.write_text(spec(run_dir, [{"fault": "kill_driver", "at_step": 12}]).to_yaml())
+    proc = subprocess.run([sys.executable, "-m", "airay.cli", "run", str(spec_file)], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": cluster.address})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "the driver died (SIGKILL); restarting it (1 of 3)" in proc.stderr
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "finished" and result["final_step"] == STEPS and result["durable_step"] == STEPS
+    all_events = read_jsonl(run_dir / "events.jsonl")
+    (restart,) = [e for e in all_events if e["type"] == "driver_restarted"]
+    assert (restart["attempt"], restart["previous_exit"]) == (1, "SIGKILL")
+    assert [e["step"] for e in all_events if e["type"] == "resuming"] == [10]
+    assert len([e for e in all_events if e["type"] == "fault_injected"]) == 1  # not again after the restart
+    losses = committed_losses(run_dir)
+    assert sorted(losses) == list(range(STEPS))
+    for step, loss in baseline.items():
+        assert losses[step] == pytest.approx(loss, rel=RTOL), step
+    assert result["time_lost_s"]["driver_restart"] > 0
+    assert_released()
+    formed = [e for e in all_events if e["type"] == "world_formed" and e["ts"] > restart["ts"]]
+    killed = [e for e in all_events if e["type"] == "fault_injected"][0]
+    results["kill_driver"] = {"outcome": "recovered", "world_sizes": [e["world_size"] for e in all_events
+                                                                      if e["type"] == "world_formed"],
+                              "detect_s": restart["ts"] - killed["ts"], "recover_s": formed[0]["ts"] - killed["ts"],
+                              "resumed_step": 10,
+                              "restarts": 1, "wall_s": result["wall_s"]}
+    assert MATRIX["kill_driver"].outcome == "recovered"

@@ -37,6 +37,7 @@ def test_kept_steps_only_and_lost_time_by_cause():
         "recovery": 4.5,              # last progress 115.5 -> new world 120 (cut round included)
         "replayed_steps": 2.0,        # first executions of steps 3 and 4
         "checkpoint_blocking": 0.5,
+        "driver_restart": 0.0,
         "other": 3.0,                 # the rest: 30 - 10 - 10 - 4.5 - 2 - 0.5
     })
     assert g.kept_step_s + sum(g.lost_s.values()) == pytest.approx(g.wall_s)
@@ -107,6 +108,26 @@ def test_the_gap_between_runs_of_a_resumed_run_directory_is_not_lost_time():
     assert g.lost_s["other"] == pytest.approx(1.0)  # 33 - kept 10 - startup 15 - recovery 4.5 - replayed 2 - 0.5
     # Still going: the second run ends now.
     assert goodput.compute(first + second[:2], ran_first, end_ts=3720.0).wall_s == pytest.approx(22.0 + 20.0)
+
+
+def test_a_restarted_driver_continues_its_run_and_the_restart_is_lost_time():
+    """The driver is killed after its last record at 122; the supervisor's new driver records
+    driver_restarted at 125, run_started (a continuation) and forms its world at 131 from the
+    step-3 checkpoint; it finishes at 140. One span from 100 to 140: the 9 s from 122 to 131 are
+    the restart's, not a gap between runs and not startup."""
+    events, metrics = timeline()
+    first = [e for e in events if e["ts"] <= 121.0]
+    again = [{"ts": 125.0, "type": "driver_restarted", "attempt": 1},
+             {"ts": 125.1, "type": "run_started", "driver_restart": 1, "launched_ts": 124.0},
+             {"ts": 131.0, "type": "world_formed", "step": 3},
+             {"ts": 140.0, "type": "run_finished", "step": 10}]
+    ran = [x for x in metrics if x["ts"] <= 121.0] + [m(4, 122)] + [m(s, 139) for s in range(3, 10)]
+    assert goodput.run_spans(first + again, ran) == [(100.0, 140.0)]
+    g = goodput.compute(first + again, ran)
+    assert g.wall_s == pytest.approx(40.0)
+    assert g.lost_s["driver_restart"] == pytest.approx(131.0 - 122.0)
+    assert g.lost_s["startup"] == pytest.approx(10.0)  # only the run's first start
+    assert sum(g.lost_s.values()) + g.kept_step_s == pytest.approx(g.wall_s)
 
 
 def test_status_of_a_resumed_run_directory_is_the_latest_runs(tmp_path):

@@ -140,3 +140,17 @@ def test_nodes_to_exclude():
     assert nodes_to_exclude(counts, 2, set()) == ["a", "c"]
     assert nodes_to_exclude(counts, 2, {"a"}) == ["c"]
     assert nodes_to_exclude(counts, 0, set()) == []
+
+
+def test_grows_are_batched_while_more_workers_are_about_to_come_up():
+    from airay.policy import grow_now
+
+    sizes = [2, 3, 4]
+    # One replacement stands by, another is still starting: wait for it, up to the settle time.
+    assert not grow_now(2, 1, 1, ready_for_s=1.0, settle_s=5.0, sizes=sizes)
+    assert grow_now(2, 1, 1, ready_for_s=5.0, settle_s=5.0, sizes=sizes)  # it did not come: grow to 3
+    assert grow_now(2, 2, 0, ready_for_s=0.0, settle_s=5.0, sizes=sizes)  # both up: one grow to 4
+    assert grow_now(3, 1, 0, ready_for_s=0.0, settle_s=5.0, sizes=sizes)  # nothing else coming
+    assert grow_now(3, 1, 3, ready_for_s=0.0, settle_s=5.0, sizes=sizes)  # the rest cannot make it larger
+    assert not grow_now(4, 1, 0, ready_for_s=9.0, settle_s=5.0, sizes=sizes)  # already at the largest
+    assert grow_now(2, 1, 1, ready_for_s=0.0, settle_s=0.0, sizes=sizes)  # settle 0: grow at once

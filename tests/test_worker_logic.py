@@ -27,6 +27,12 @@ def test_user_errors_are_not_mistaken_for_collective_failures():
     assert not _is_comm_error(TypeError("TinyGPT.__init__() got an unexpected keyword argument 'n_layerz'"))
     assert not _is_comm_error(RuntimeError("shape mismatch: unexpected peer tensor"))
     assert not _is_comm_error(ValueError("gloo"))
+    # Bare words gloo's messages also use are not enough: the text must be gloo's or NCCL's own.
+    assert not _is_comm_error(RuntimeError("request timed out after 30s"))
+    assert not _is_comm_error(RuntimeError("connection reset while reading my dataset from gloo.example.com"))
+    assert _is_comm_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+                                       "waiting 30000ms for recv operation to complete"))
+    assert _is_comm_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"))
 
 
 def test_gpu_failures_are_infrastructure_not_user_errors():

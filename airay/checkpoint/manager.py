@@ -41,6 +41,7 @@ class PendingSave:
     uploaded: dict = field(default_factory=dict)  # rank -> its upload's report, as they come in
     retried: bool = False  # the files of ranks lost mid-upload were handed to their nodes' stores
     lost: list = field(default_factory=list)  # those ranks
+    attempts: int = 0  # uploads of the step tried again after a failure (checkpoint.upload_retries)
     manifest: Manifest | None = None
     memory_ts: float = 0.0  # when it was committed to memory
     upload_t0: float = 0.0
@@ -80,10 +81,14 @@ class UploadQueue:
 
 
 class Checkpointer:
-    """Owns the checkpoint tiers of a run: collective save, background commits, what to load."""
+    """Owns the checkpoint tiers of a run: collective save, background commits, what to load.
+
+    A failed upload is tried again (`upload_retries`); a checkpoint that still fails is
+    recorded (checkpoint_failed, with the newest durable step), and `max_failures` consecutive
+    failures of a tier set `fatal`: the run cannot checkpoint, and the controller ends it."""
 
     def __init__(self, durable: str, zero_stage: int, keep_last: int, recorder, job: dict,
-                 memory_base: str, memory_keep_last: int):
+                 memory_base: str, memory_keep_last: int, upload_retries: int = 2, max_failures: int = 3):
         self.durable = DurableTier(durable, job)
         self.durable.claim()  # another job's checkpoints here: fail before any actor starts
         self.memory_base, self.job = memory_base, job
@@ -95,7 +100,11 @@ class Checkpointer:
         self.step_wait: dict[int, float] = {}  # checkpoint_wait_s of each step (from the metrics)
         self.last_saved_step: int | None = None
         self.last_saved_durable = False
-        self.last_durable_step: int | None = None
+        self.last_durable_step: int | None = None  # the newest step committed to durable storage
+        self.upload_retries, self.max_failures = upload_retries, max_failures
+        self.consecutive_failures = {"memory": 0, "durable": 0}
+        self.errors: dict[int, str] = {}  # why a step's checkpoint failed
+        self.fatal: str | None = None  # set when a tier failed max_failures times in a row
 
     @property
     def root(self) -> str:
@@ -103,17 +112,24 @@ class Checkpointer:
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def save(self, group, step: int, data_position: dict | None = None, durable: bool = True):
+    def save(self, group, step: int, data_position: dict | None = None, durable: bool = True,
+             faults: dict | None = None):
         """Collective save of `step` (with the data position at it, when data is streamed) into
         every node's memory tier, and to durable storage after when `durable`; returns the ranks'
-        outcomes (all ok, or a loss to handle)."""
+        outcomes (all ok, or a loss to handle). `faults`: chaos struck in the ranks' saves."""
         t_wait = time.time()
         # The previous save's files must be written and copied first: a rank stages one save at a
         # time. An upload still running goes on beside this save.
         self._finish_persist()
         t0 = time.time()
-        outcomes, _ = group.save(step, data_position)
+        outcomes, _ = group.save(step, data_position, faults)
         if any(o.kind != "ok" for o in outcomes):
+            bad = min((o for o in outcomes if o.kind != "ok"), key=lambda o: (not o.infra, o.rank))  # the lost one
+            # Not a failure of the checkpoint path: a rank was lost (its recovery follows) and this
+            # step is not committed; the run resumes from the one before.
+            self.rec.event("checkpoint_failed", step=step, tier="memory", consecutive=None,
+                           error=f"rank {bad.rank} {bad.kind} during the save: {bad.error}"[:500],
+                           newest_durable_step=self.last_durable_step)
             return outcomes
         self._group = group
         self._inflight = PendingSave(step, durable, len(group.active), t0, time.time() - t0, t0 - t_wait,
@@ -128,9 +144,9 @@ class Checkpointer:
     def poll(self) -> None:
         """Move saves along without blocking: commits and uploads whose ranks are done."""
         running = self._uploads.running
-        if running is not None and _all_ready(running.refs):
+        if running is not None and self._group.ready(running.refs):
             self._finish_upload()
-        if self._inflight is not None and _all_ready(self._inflight.refs):
+        if self._inflight is not None and self._group.ready(self._inflight.refs):
             self._finish_persist()
 
     def wait(self, uploads: bool = True) -> None:
@@ -145,12 +161,13 @@ class Checkpointer:
             return
         save, self._inflight = self._inflight, None
         try:
-            reports = _gather(save.refs, PERSIST_TIMEOUT_S)
+            reports = self._group.results(save.refs, PERSIST_TIMEOUT_S)
         except Exception as exc:  # a rank died or its files failed: the step stays uncommitted
-            self.rec.event("checkpoint_failed", step=save.step, tier="memory", error=_first_line(exc))
             if self.last_saved_step == save.step:
                 self.last_saved_step = None
+            self._failed("memory", save.step, error_text(exc))
             return
+        self.consecutive_failures["memory"] = 0
         save.manifest = Manifest.from_reports(save.step, save.world_size, self.zero_stage, self.job, reports,
                                               time.time())
         save.holders = {rank: [n for n in (r["node_id"], r.get("peer_node")) if n] for rank, r in enumerate(reports)}
@@ -193,21 +210,21 @@ class Checkpointer:
 
     def _finish_upload(self) -> None:
         save = self._uploads.running
-        lost = self._collect_uploads(save)
-        if lost and not save.retried:
-            # A rank died mid-upload: its files are still in its node's memory (or in its peer's
-            # copy); that node's store uploads them instead. Once: a second loss fails the step.
+        failed = self._collect_uploads(save)
+        if failed and not save.retried:
+            # A rank died (or its upload failed) mid-upload: its files are still in its node's
+            # memory (or in its peer's copy); that node's store uploads them instead.
             save.retried = True
             save.refs = []
-            for rank in lost:
+            for rank in failed:
                 names = sorted(n for n, f in save.manifest.files.items() if f.rank == rank)
                 save.refs.append(self._group.upload_from_store(save.step, names, self.durable.location,
                                                                save.holders.get(rank, [])))
-            save.lost = lost
+            save.lost = sorted(failed)
             return
         try:
-            if lost:
-                raise RuntimeError(f"ranks {sorted(lost)} were lost before their files were uploaded")
+            if failed:
+                raise RuntimeError("; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())[:3]))
             reports = list(save.uploaded.values())
             sent = {n: tuple(v) for r in reports for n, v in r["files"].items()}
             expect = {n: (f.size, f.crc32) for n, f in save.manifest.files.items()}
@@ -216,10 +233,19 @@ class Checkpointer:
                 raise RuntimeError(f"uploaded files differ from the manifest: {wrong[:3]}")
             committed = self.durable.commit(save.manifest)
         except Exception as exc:  # a rank died, storage failed or a file changed: not durable
-            self.rec.event("checkpoint_failed", step=save.step, tier="durable", error=_first_line(exc))
+            error = error_text(exc)
+            if save.attempts < self.upload_retries:  # its files wait in the memory tier: try again
+                save.attempts += 1
+                self.rec.event("checkpoint_retry", step=save.step, tier="durable", attempt=save.attempts,
+                               of=self.upload_retries, error=error)
+                save.uploaded, save.retried, save.lost = {}, False, []
+                self._start_upload(save)
+                return
             if save.step == self.last_saved_step:
                 self.last_saved_durable = False
+            self._failed("durable", save.step, error)
         else:
+            self.consecutive_failures["durable"] = 0
             self.last_durable_step = save.step
             pruned = self.durable.prune(self.keep_last, protect={save.step})
             self.rec.event("checkpoint_saved", step=save.step, path=self.durable.storage.uri(step_name(save.step)),
@@ -231,10 +257,27 @@ class Checkpointer:
         if following is not None:
             self._start_upload(following)
 
-    def _collect_uploads(self, save: PendingSave) -> list[int]:
-        """Gather the upload calls in flight into save.uploaded; returns the ranks whose failed."""
+    def _failed(self, tier: str, step: int, error: str) -> None:
+        """A checkpoint of `tier` failed for good: say so, with the newest step that is durable;
+        `max_failures` in a row make the run's checkpoints `fatal`."""
+        self.errors[step] = error
+        self.consecutive_failures[tier] += 1
+        n = self.consecutive_failures[tier]
+        self.rec.event("checkpoint_failed", step=step, tier=tier, error=error, consecutive=n,
+                       newest_durable_step=self.last_durable_step)
+        if n >= self.max_failures and self.fatal is None:
+            self.fatal = (f"{n} consecutive {tier} checkpoints failed (health.max_checkpoint_failures="
+                          f"{self.max_failures}); the last, step {step}: {error}. "
+                          f"{self.durable_text()} Fix the storage, then re-run to resume from it.")
+
+    def durable_text(self) -> str:
+        return (f"The newest durable checkpoint is step {self.last_durable_step} ({self.root})."
+                if self.last_durable_step is not None else f"No checkpoint is durable ({self.root}).")
+
+    def _collect_uploads(self, save: PendingSave) -> dict[int, str]:
+        """Gather the upload calls in flight into save.uploaded; returns {rank: error} of those that failed."""
         keys = save.lost if save.retried else list(range(len(save.refs)))
-        done, failed = _upload_results(save.refs, keys, UPLOAD_TIMEOUT_S)
+        done, failed = self._group.each_result(save.refs, keys, UPLOAD_TIMEOUT_S)
         save.uploaded.update(done)
         return failed
 
@@ -251,15 +294,12 @@ class Checkpointer:
         """The run ends early (it failed): commit what the ranks finish within `timeout_s` (a
         step whose files are written and uploaded is not lost to an unwritten manifest), then
         record what is left as failed, so no durable step disappears without a word."""
-        import ray
-
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             pending = self._inflight or self._uploads.running
             if pending is None:
                 break
-            refs = pending.refs
-            if refs and len(ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.time()))[0]) < len(refs):
+            if not self._group.ready(pending.refs, timeout_s=max(0.0, deadline - time.time())):
                 break
             self._finish_persist() if pending is self._inflight else self._finish_upload()
         self._inflight = None
@@ -275,6 +315,9 @@ class Checkpointer:
         of sizes) and, given the worker group, memory ones whose every file some live node holds."""
         self.wait(uploads=False)
         found = self.durable.complete()
+        newest = max((c.step for c in found), default=None)
+        if newest is not None and (self.last_durable_step is None or newest > self.last_durable_step):
+            self.last_durable_step = newest  # e.g. what an earlier run of the job left
         if group is not None:
             found += group.memory_checkpoints(self.job)
         return load_order(found)
@@ -294,31 +337,7 @@ class Checkpointer:
                        reason=reason)
 
 
-def _upload_results(refs: list, keys: list, timeout_s: float) -> tuple[dict, list]:
-    """Each call's report by its key, and the keys whose call failed."""
-    import ray
-
-    done, failed = {}, []
-    for key, ref in zip(keys, refs):
-        try:
-            done[key] = ray.get(ref, timeout=timeout_s)
-        except Exception:  # the rank or store died, or its storage failed: the caller decides
-            failed.append(key)
-    return done, failed
-
-
-def _all_ready(refs: list) -> bool:
-    import ray
-
-    return not refs or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
-
-
-def _gather(refs: list, timeout_s: float) -> list:
-    import ray
-
-    return ray.get(refs, timeout=timeout_s)
-
-
-def _first_line(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    exc = getattr(exc, "cause", None) or exc  # a remote call's error: the exception it raised there
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

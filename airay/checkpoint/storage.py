@@ -14,6 +14,7 @@ names a file that a crash could still lose.
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -28,12 +29,23 @@ def is_uri(location: str) -> bool:
     return "://" in str(location) and not str(location).startswith("file://")
 
 
+_USERINFO = re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/@\s?]+(?::[^@\s?]*)?@", re.IGNORECASE)
+_SECRET_PARAM = re.compile(r"((?:access_key|secret_key|session_token|password|token)=)[^&\s'\"]+", re.IGNORECASE)
+
+
+def mask_secrets(text: str) -> str:
+    """`text` with the credentials a storage URI may carry masked: user:secret@ and
+    access_key= / secret_key= / session_token= parameters (pyarrow reads them from URIs)."""
+    return _SECRET_PARAM.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
+
+
 def display(location: str | os.PathLike) -> str:
     """A location as users see it: an absolute path, or the URI without its query parameters
-    (endpoint_override=... says how to reach the store, not where in it). Touches nothing."""
+    (endpoint_override=... says how to reach the store, not where in it) and credentials.
+    Touches nothing."""
     location = str(location)
     if is_uri(location):
-        return location.split("?", 1)[0].rstrip("/")
+        return mask_secrets(location.split("?", 1)[0].rstrip("/"))
     return str(Path(location.removeprefix("file://")).absolute())
 
 

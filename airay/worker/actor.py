@@ -22,8 +22,8 @@ from airay.events import process_start_ts
 from airay.policy import BatchPlan
 from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_globals
 from airay.worker.device import assign_device
-from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, free_port, shutdown_sockets, \
-    tcp_socket_fds
+from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, listen_socket, rendezvous_store, \
+    reset_group_count, shutdown_sockets, tcp_socket_fds
 from airay.worker.engine import backward_micro_batch, build_engine
 
 
@@ -71,6 +71,9 @@ class TrainWorker:
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
         self._world_sockets: dict[int, int] = {}
+        self._joining_port: int | None = None  # the rendezvous port while a join is in it
+        self._aborted_port: int | None = None  # a rendezvous the driver aborted (abort_world)
+        self._listening = None  # the socket of free_port, for the world this rank will be rank 0 of
         # Where the step loop is (step, micro-batch, phase); read by `heartbeat` from the control
         # thread, so it answers while the training thread is stuck in a collective or user code.
         self._progress: dict[str, Any] = {"step": -1, "micro": -1, "phase": "start"}
@@ -115,7 +118,12 @@ class TrainWorker:
                 "sigterm_handled": self.preemption_handled}
 
     def free_port(self) -> int:
-        return free_port()
+        """The rendezvous port of the next world this rank is rank 0 of: a socket listening on
+        this node's address, held until the join hands it to the world's store."""
+        if self._listening is not None:
+            self._listening.close()
+        self._listening = listen_socket(self.ip)
+        return self._listening.getsockname()[1]
 
     def ready(self) -> dict[str, Any]:
         """Up, with DeepSpeed imported: enough for a world that forms at once (the run's first),
@@ -134,7 +142,8 @@ class TrainWorker:
         """
         t0 = time.perf_counter()
         plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
-        self.join(0, 1, "127.0.0.1", free_port(), plan.__dict__)
+        self._listening = listen_socket("127.0.0.1")
+        self.join(0, 1, "127.0.0.1", self._listening.getsockname()[1], plan.__dict__)
         self.leave()
         self.timeline["warm_ts"] = time.time()
         return {**self.ready(), "warmup_s": time.perf_counter() - t0}
@@ -142,23 +151,42 @@ class TrainWorker:
     # ---- world membership ----------------------------------------------------------------
 
     def join(self, rank: int, world_size: int, master_addr: str, master_port: int,
-             plan: dict[str, int]) -> dict[str, float]:
-        """Leave any old world, join this one and build a fresh engine. Returns timings."""
-        import deepspeed
-        import deepspeed.comm as dist
-
+             plan: dict[str, int], fault: dict | None = None) -> dict[str, float]:
+        """Leave any old world, join this one and build a fresh engine. Returns timings.
+        `fault`: chaos struck as the join begins (airay.chaos_hook)."""
         t0 = time.perf_counter()
         self.leave()
+        self._enter("join", -1, fault, rank)
+        if self._aborted_port == master_port:  # told already: a peer failed before this rank got here
+            raise RuntimeError(f"rank {rank}: the world on port {master_port} was aborted before this rank joined it")
+        self._joining_port = master_port
+        try:
+            return self._join(rank, world_size, master_addr, master_port, plan, t0)
+        finally:
+            self._joining_port = None  # abort_world's rendezvous breaker stops
+
+    def _join(self, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict[str, int],
+              t0: float) -> dict[str, float]:
+        import deepspeed
+        import deepspeed.comm as dist
+        import torch.distributed as tdist
+
         sockets_before = tcp_socket_fds()
         if self.backend == "gloo":
             disable_cpu_shm_comm()
         # LOCAL_RANK is the CUDA ordinal of this rank's GPU: DeepSpeed binds its device and NCCL's to it.
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(self.assigned.local_rank),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        timeout = timedelta(seconds=self.config.timeouts.collective_timeout_s)
+        listening, self._listening = (self._listening, None) if rank == 0 else (None, self._listening)
+        store = rendezvous_store(master_addr, master_port, world_size, timeout, listening,
+                                 aborted=lambda: self._aborted_port == master_port)
+        reset_group_count()
+        tdist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # DeepSpeed wraps the process group made above (it makes none when torch has one).
         deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False,
-                                   init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                   world_size=world_size,
-                                   timeout=timedelta(seconds=self.config.timeouts.collective_timeout_s))
+                                   rank=rank, world_size=world_size, timeout=timeout)
+        self._at(-1, 2, "join")
         t_pg = time.perf_counter()
         self.rank, self.plan = rank, BatchPlan(**plan)
         reset_zero3_globals()
@@ -167,9 +195,12 @@ class TrainWorker:
         from airay.checkpoint import staging
 
         staging.install(self.engine, self._ckpt_writer)
+        self._at(-1, 3, "join")
         dist.barrier()
         # The TCP sockets that appeared while joining are this world's (store and gloo pairs).
         self._world_sockets = {fd: ino for fd, ino in tcp_socket_fds().items() if sockets_before.get(fd) != ino}
+        self._aborted_port = None  # in a world again: an old abort is stale
+        self._at(-1, 4, "join")
         t1 = time.perf_counter()
         # What this rank handed torch and DeepSpeed, read back from where they read it.
         handed = {"local_rank": int(os.environ["LOCAL_RANK"]), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -177,7 +208,7 @@ class TrainWorker:
         return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0, **handed}
 
     @ray.method(concurrency_group="control")
-    def abort_world(self) -> int:
+    def abort_world(self, rendezvous_port: int | None = None) -> int:
         """Break out of the current world: a peer is gone, so its collectives can never finish.
 
         gloo's abort() leaves its sockets open (torch 2.13), so a rank blocked in a collective
@@ -186,8 +217,25 @@ class TrainWorker:
         """
         if self.backend == "nccl":
             abort_nccl_groups()
+        if rendezvous_port is not None:  # a world still forming (`rendezvous_port`: its store's)
+            import threading
+
+            self._aborted_port = rendezvous_port
+            threading.Thread(target=self._break_rendezvous, args=(rendezvous_port,), daemon=True).start()
             return 0
-        return shutdown_sockets(self._world_sockets)
+        return 0 if self.backend == "nccl" else shutdown_sockets(self._world_sockets)
+
+    def _break_rendezvous(self, port: int) -> None:
+        """Shut down the connections of a rendezvous that can never finish (a peer died in it)
+        until this rank's join on it has failed: the rank may connect only after being told (its
+        join is queued, or in leave()); a join not yet begun refuses the port (join)."""
+        deadline = time.time() + self.config.timeouts.collective_timeout_s
+        while time.time() < deadline and self._aborted_port == port:
+            if self._joining_port == port:
+                shutdown_sockets(tcp_socket_fds(port=port))
+            elif self._progress.get("phase") != "join":
+                break  # the join with it ended (failed), or none is coming
+            time.sleep(0.05)
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> dict[str, Any]:
@@ -205,20 +253,22 @@ class TrainWorker:
             self._ckpt_writer.take_wait()
             try:
                 self.engine.destroy()
-            except Exception:  # a half-broken engine after a peer died; we drop it anyway
-                pass
+            except Exception as exc:  # a half-broken engine after a peer died; we drop it anyway
+                print(f"airay: rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
             self.engine = None
         if tdist.is_available() and tdist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:
+            except Exception as exc:  # DeepSpeed's wrapper on a broken world: torch's own call
+                print(f"airay: rank {self.rank}: leaving the world: {type(exc).__name__}: {exc}")
                 if tdist.is_initialized():
                     tdist.destroy_process_group()
         self.rank = None
 
     # ---- checkpoints -----------------------------------------------------------------------
 
-    def save(self, step: int, data_position: dict[str, Any] | None, memory_base: str) -> dict[str, Any]:
+    def save(self, step: int, data_position: dict[str, Any] | None, memory_base: str,
+             fault: dict | None = None) -> dict[str, Any]:
         """Stage this rank's part of `step` into its node's memory tier (DeepSpeed's file names
         carry the rank, so ranks sharing a node never clash). Returns once the small parts are
         cloned; parameters and optimizer state are written from the live tensors in the
@@ -228,6 +278,7 @@ class TrainWorker:
         from airay.checkpoint.tiers import node_dir
 
         t0 = time.perf_counter()
+        self._enter("save", step, fault)
         # A save whose world broke before it was persisted may still be writing: let it finish.
         self._ckpt_writer.wait(raise_errors=False)
         self._ckpt_writer.take_written()
@@ -237,6 +288,7 @@ class TrainWorker:
                                     save_latest=False)
         self._saving = {"step": step, "dir": str(root / step_name(step)), "t0": t0,
                         "layout": layout_of(self.engine) if self.rank == 0 else {}}
+        self._at(step, 2, "save")
         return {"save_s": time.perf_counter() - t0}
 
     @ray.method(concurrency_group="io")
@@ -318,7 +370,8 @@ class TrainWorker:
                         {n: [(node, store) for node, store in holders if node != self.node_id]
                          for n, holders in spec["peers"].items()}, spec["durable"])
         paths, copies, bad = {}, {"local": 0, "peer": 0, "durable": 0}, []
-        for name in needed_files(manifest, self.rank, self.plan.world_size, layout):
+        for i, name in enumerate(needed_files(manifest, self.rank, self.plan.world_size, layout)):
+            self._at(spec["step"], i, "fetch")  # progress for the driver's hang watch, file by file
             f = manifest.files[name]
             paths[name], copy, met = fetch_verified(name, (f.size, f.crc32), source, spec["step"])
             copies[copy] += 1
@@ -327,7 +380,7 @@ class TrainWorker:
         return {"copies": copies, "bad": bad, "files": sorted(paths), "fetch_s": time.perf_counter() - t0,
                 "bytes": sum(manifest.files[n].size for n in paths)}
 
-    def load(self, step: int) -> dict[str, Any]:
+    def load(self, step: int, fault: dict | None = None) -> dict[str, Any]:
         """Load the checkpoint prepare_load found (DeepSpeed's own loader, its reads resharded to
         this world by the plan); returns the step, the data position and timings."""
         import shutil
@@ -336,6 +389,7 @@ class TrainWorker:
         from airay.checkpoint.tiers import scratch_dir
 
         t0 = time.perf_counter()
+        self._enter("load", step, fault)
         plan, self._load_plan = self._load_plan, None
         if plan is None or plan.manifest.step != step:
             raise RuntimeError(f"rank {self.rank}: load of step {step} without prepare_load")
@@ -352,6 +406,7 @@ class TrainWorker:
         self._ckpt_writer.take_wait()  # a wait inside load_checkpoint is load time, not a step's
         if load_path is None:
             raise RuntimeError(f"DeepSpeed loaded no checkpoint of step {step}")
+        self._at(step, 2, "load")
         return {"step": int(client["airay_step"]), "data_position": client.get("airay_data"),
                 "load_s": time.perf_counter() - t0, "reshard_s": plan.reshard_s, "resharded": plan.resharded}
 
@@ -382,6 +437,14 @@ class TrainWorker:
 
     def _at(self, step: int, micro: int, phase: str) -> None:
         self._progress = {"step": step, "micro": micro, "phase": phase}
+
+    def _enter(self, phase: str, step: int, fault: dict | None, rank: int | None = None) -> None:
+        """A join, save or load begins: mark it for the driver's hang watch and strike its chaos.
+        A rank stopped here stays behind the ranks that got past (airay.health.find_hung)."""
+        self._at(step, 0, phase)
+        if fault is not None:
+            chaos.strike(fault, step, self.rank if rank is None else rank)
+        self._at(step, 1, phase)
 
     def _step(self, step: int, fault: dict | None = None) -> dict[str, float]:
         import torch
@@ -416,7 +479,7 @@ class TrainWorker:
         out = {"step": step, "loss_sum": float(loss_sum), "step_time_s": step_time, "data_wait_s": data_wait,
                "checkpoint_wait_s": self._ckpt_writer.take_wait(),
                "local_s": data_wait + local_s, "comm_s": comm, "compute_s": max(0.0, step_time - data_wait - comm),
-               "tokens": sum(token_count(b) for b in real)}
+               "tokens": sum(token_count(b) for b in real), "end_ts": time.time()}
         if self.config.data.record_sample_ids:
             out["sample_ids"] = [i for b in real for i in b["sample_id"].tolist()]
         return out

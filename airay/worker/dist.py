@@ -23,9 +23,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tcp_socket_fds() -> dict[int, int]:
+def listen_socket(host: str) -> socket.socket:
+    """A listening socket on `host` (the node's address), port chosen by the kernel: rank 0's
+    rendezvous store serves on it (`rendezvous_store`). Held from the moment the port is handed
+    out, so no other process can take the port first, and bound to the node's address only:
+    torch's TCPStore on its own listens on every interface."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen()
+    return sock
+
+
+def rendezvous_store(master_addr: str, master_port: int, world_size: int, timeout, listening=None,
+                     aborted=lambda: False):
+    """The world's TCPStore: served by rank 0 on its `listening` socket (listen_socket), which
+    the store takes over; a client on the other ranks. A client first waits for the server to
+    accept connections itself, asking `aborted()` between tries: torch's client retries a
+    refused connection until its timeout, and a socket not yet connected cannot be shut down
+    (a world whose rank 0 already gave up would hold this rank for the whole timeout)."""
+    import time
+
+    import torch.distributed as tdist
+
+    if listening is not None:
+        return tdist.TCPStore(master_addr, master_port, world_size, True, timeout, master_listen_fd=listening.detach())
+    deadline = time.time() + timeout.total_seconds()
+    while True:
+        if aborted():
+            raise ConnectionAbortedError(f"the rendezvous on {master_addr}:{master_port} was aborted")
+        try:
+            socket.create_connection((master_addr, master_port), timeout=1.0).close()
+            break
+        except OSError:
+            if time.time() >= deadline:
+                raise
+            time.sleep(0.05)
+    return tdist.TCPStore(master_addr, master_port, world_size, False, timeout)
+
+
+def reset_group_count() -> None:
+    """torch (2.13) names the default process group from a counter, `_world.group_count`, the
+    prefix of its keys in the store; destroy_process_group sets it back to 0. A world that fails
+    to form leaves it advanced on the ranks that got far enough, and not on the others: their
+    next world would wait for each other's keys under different names until the timeout. Every
+    join starts from 0, as after a clean destroy."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not c10d.is_initialized():
+        c10d._world.group_count = 0
+
+
+def tcp_socket_fds(port: int | None = None) -> dict[int, int]:
     """{fd: inode} of this process's connected TCP sockets (listeners are left out: gloo's
-    listener thread aborts the process if its socket is shut down under it)."""
+    listener thread aborts the process if its socket is shut down under it); with `port`, only
+    those with that port at either end (a rendezvous store's connections)."""
     out = {}
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -38,8 +89,9 @@ def tcp_socket_fds() -> dict[int, int]:
         try:
             with socket.socket(fileno=os.dup(fd)) as s:
                 if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                    s.getpeername()  # raises for a listening or unconnected socket
-                    out[fd] = st.st_ino
+                    peer = s.getpeername()  # raises for a listening or unconnected socket
+                    if port is None or port in (peer[1], s.getsockname()[1]):
+                        out[fd] = st.st_ino
         except OSError:
             continue
     return out
@@ -75,7 +127,10 @@ def abort_nccl_groups() -> None:
         c10d._abort_process_group()
 
 
-_COMM_ERROR_TEXT = re.compile(r"\bgloo\b|\bnccl\b|connection (reset|closed|refused)|timed out", re.IGNORECASE)
+# gloo's and NCCL's own messages, by where they come from: gloo prefixes its errors with its
+# source path ("[.../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error ..."), NCCL's
+# name the library. Not bare words like "timed out": a user's RuntimeError says those too.
+_COMM_ERROR_TEXT = re.compile(r"\[[^\]]*gloo/(transport|common)/[^\]]*\]|\bProcessGroup(Gloo|NCCL)\b|\bNCCL error\b")
 
 
 def failure_kind(exc: BaseException) -> str:

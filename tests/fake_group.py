@@ -1,0 +1,269 @@
+"""A worker group without Ray, for driving the controller's state machine in unit tests.
+
+It has WorkerGroup's interface (what airay.controller and airay.checkpoint.manager call) and
+scripts each call's rank outcomes: `script[call][n] = {rank: kind}` makes the n-th call (1-based)
+of `call` ("form", "train", "save", "load", "persist", "upload") fail on those ranks, kind
+"died", "hung" or "user" (an exception in user code); an upload kind "storage" fails the
+upload as a storage error would. Workers are started at once (ready on the next poll, or after
+`ready_after` polls each), steps are instant with a deterministic loss, and durable uploads
+write files of the declared sizes, so the durable tier's listing sees them as complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
+from airay.health import RankOutcome
+from airay.policy import BatchPlan
+
+FILE_BYTES = 64
+
+
+def step_loss(step: int) -> float:
+    return 10.0 / (step + 1)
+
+
+@dataclass
+class FakeMember:
+    node_id: str
+    polls_left: int = 0  # polls before it is ready
+    info: dict[str, Any] = field(default_factory=dict)
+    joined: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    ready_ts: float = 0.0
+    warm: bool = True
+
+
+@dataclass
+class FakeRef:
+    value: Any = None
+    error: BaseException | None = None
+
+
+class FakeGroup:
+    calls: list[tuple[str, Any]]  # every call, for assertions
+
+    @classmethod
+    def factory(cls, script: dict | None = None, capacity: int = 4, ready_after: list[int] | None = None,
+                nodes: int = 2):
+        """A stand-in for the WorkerGroup class: Controller(group_factory=...)."""
+        made = []
+
+        def make(*args, **kwargs):
+            group = cls(script or {}, capacity, list(ready_after or []), nodes)
+            made.append(group)
+            return group
+
+        make.default_resources = staticmethod(lambda: {"CPU": 1.0})
+        make.made = made
+        return make
+
+    def __init__(self, script: dict, capacity: int, ready_after: list[int], nodes: int):
+        self.script, self.free, self.ready_after, self.nodes = script, capacity, ready_after, nodes
+        self.counts: dict[str, int] = {}
+        self.calls = []
+        self.active: list[FakeMember] = []
+        self.pending: list[FakeMember] = []
+        self.standby: list[FakeMember] = []
+        self.start_failures: list[str] = []
+        self.first_failure_ts: float | None = None
+        self.hangs: list[dict] = []
+        self.excluded: set[str] = set()
+        self.foreign_tiers: list[dict] = []
+        self._ids = itertools.count()
+        self.plan: BatchPlan | None = None
+        self.memory: dict[int, Manifest] = {}
+
+    # ---- the cluster -------------------------------------------------------------------------
+
+    @staticmethod
+    def dead_nodes(nodes, suspects, wait_s):
+        return set()
+
+    def capacity(self) -> int:
+        return len(self.standby) + self.free
+
+    def demand(self, n: int) -> None:
+        self.calls.append(("demand", n))
+
+    def reserve(self, n: int, timeout_s: float, warm: bool = True) -> int:
+        n = min(n, self.free)
+        for _ in range(n):
+            self._start()
+        self.free -= n
+        return n
+
+    def _start(self) -> None:
+        i = next(self._ids)
+        polls = self.ready_after.pop(0) if self.ready_after else 0
+        self.pending.append(FakeMember(f"node{i % self.nodes}", polls, info={"node_id": f"node{i % self.nodes}",
+                                                                            "pid": 1000 + i}))
+
+    def poll_pending(self, timeout_s: float = 0.0) -> list[FakeMember]:
+        newly = []
+        for m in list(self.pending):
+            if m.polls_left > 0:
+                m.polls_left -= 1
+                continue
+            self.pending.remove(m)
+            m.ready_ts = time.time()
+            self.standby.append(m)
+            newly.append(m)
+        return newly
+
+    def wait_for_standby(self, n: int, timeout_s: float) -> bool:
+        deadline = time.time() + timeout_s
+        while len(self.standby) < n and time.time() < deadline:
+            if not self.pending:
+                return False
+            self.poll_pending()
+        return len(self.standby) >= n
+
+    def ensure_stores(self, timeout_s: float = 60.0) -> None:
+        pass
+
+    def member(self, rank: int) -> FakeMember:
+        return self.active[rank]
+
+    # ---- scripted outcomes -------------------------------------------------------------------
+
+    def _outcomes(self, call: str, world: int) -> list[RankOutcome]:
+        self.counts[call] = n = self.counts.get(call, 0) + 1
+        self.calls.append((call, n))
+        failing = self.script.get(call, {}).get(n, {})
+        out = []
+        self.hangs = []
+        for rank in range(world):
+            kind = failing.get(rank)
+            if kind is None:
+                out.append(RankOutcome(rank, "ok"))
+            elif kind == "user":
+                out.append(RankOutcome(rank, "errored", error=f"rank {rank}: ValueError: scripted", user_error=True,
+                                       cause="UserCodeError"))
+            else:
+                if kind == "hung":
+                    self.hangs.append({"rank": rank, "stalled_s": 1.0, "heartbeat": True, "progress": {},
+                                       "reason": "scripted hang"})
+                out.append(RankOutcome(rank, kind, error=f"scripted {kind}"))
+        if any(o.kind != "ok" for o in out):
+            self.first_failure_ts = time.time()
+        return out
+
+    def form(self, world_size: int, plan: BatchPlan, faults=None):
+        self.standby.sort(key=lambda m: m.node_id)
+        while len(self.active) < world_size and self.standby:
+            self.active.append(self.standby.pop(0))
+        while len(self.active) > world_size:
+            self.standby.insert(0, self.active.pop())
+        self.plan = plan
+        return self._outcomes("form", world_size), {}
+
+    def train(self, start, end, faults, after_launch=None, hang_timeout_s=None, feed=None):
+        world = len(self.active)
+        outcomes = self._outcomes("train", world)
+        values = []
+        for rank in range(world):
+            if outcomes[rank].kind != "ok":
+                values.append(None)
+                continue
+            lo, hi = self.plan.rank_rows(rank)
+            values.append([{"step": s, "loss_sum": step_loss(s) * (hi - lo), "step_time_s": 0.01,
+                            "data_wait_s": 0.0, "checkpoint_wait_s": 0.0, "local_s": 0.005, "comm_s": 0.0,
+                            "compute_s": 0.01, "tokens": 0, "end_ts": time.time()} for s in range(start, end)])
+        return outcomes, values
+
+    def save(self, step: int, data_position=None, faults=None):
+        return self._outcomes("save", len(self.active)), [None] * len(self.active)
+
+    def persist(self, step: int) -> list[FakeRef]:
+        outcomes = self._outcomes("persist", len(self.active))
+        return [FakeRef(error=RuntimeError(o.error)) if o.kind != "ok" else
+                FakeRef({"files": {f"rank{r}.pt": [FILE_BYTES, 0]}, "layout": {}, "node_id": m.node_id,
+                         "peer_node": None, "write_s": 0.0, "copied": []})
+                for r, (m, o) in enumerate(zip(self.active, outcomes))]
+
+    def upload(self, step: int, location: str, members: list) -> list[FakeRef]:
+        outcomes = self._outcomes("upload", len(members))
+        refs = []
+        for r, o in enumerate(outcomes):
+            if o.kind != "ok":
+                refs.append(FakeRef(error=OSError(f"scripted {o.kind} failure of rank {r}'s upload")))
+                continue
+            d = Path(location) / step_name(step)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"rank{r}.pt").write_bytes(b"\0" * FILE_BYTES)
+            refs.append(FakeRef({"files": {f"rank{r}.pt": [FILE_BYTES, 0]}, "upload_s": 0.0,
+                                 "window": [time.time(), time.time()]}))
+        return refs
+
+    def upload_from_store(self, step, names, location, nodes):
+        return FakeRef(error=OSError("scripted: the store's upload fails too"))
+
+    def load(self, ckpt, durable, faults=None):
+        world = len(self.active)
+        outcomes = self._outcomes("load", world)
+        values = [{"step": ckpt.step, "data_position": None, "bad": [], "copies": {"local": 0, "peer": 0, "durable": 1},
+                   "resharded": ckpt.world_size != world, "fetch_s": 0.0, "reshard_s": 0.0, "bytes": 0, "load_s": 0.0}
+                  if o.kind == "ok" else None for o in outcomes]
+        return outcomes, values
+
+    # ---- memory tier: committed manifests, every file held by node0 ---------------------------
+
+    def commit_memory(self, step, manifest_json, timeout_s=60.0):
+        self.memory[step] = Manifest.from_json(manifest_json)
+
+    def prune_memory(self, keep, also_drop=(), timeout_s=60.0):
+        self.memory = {s: m for s, m in self.memory.items() if s in keep and s not in also_drop}
+
+    def memory_checkpoints(self, job, timeout_s=30.0):
+        return [CheckpointInfo(s, m.world_size, m.bytes, "memory", f"memory:{step_name(s)}", m.created, manifest=m,
+                               holders={name: ["node0"] for name in m.files}) for s, m in self.memory.items()]
+
+    def end_memory(self, remove, keep, timeout_s=60.0):
+        pass
+
+    # ---- results of calls in flight ----------------------------------------------------------
+
+    @staticmethod
+    def ready(refs, timeout_s: float = 0.0) -> bool:
+        return True
+
+    @staticmethod
+    def results(refs, timeout_s):
+        for ref in refs:
+            if ref.error is not None:
+                raise ref.error
+        return [ref.value for ref in refs]
+
+    @staticmethod
+    def each_result(refs, keys, timeout_s):
+        done, failed = {}, {}
+        for key, ref in zip(keys, refs):
+            if ref.error is not None:
+                failed[key] = f"{type(ref.error).__name__}: {ref.error}"
+            else:
+                done[key] = ref.value
+        return done, failed
+
+    # ---- losing and replacing workers --------------------------------------------------------
+
+    def drop(self, ranks: list[int]) -> None:
+        for m in [self.active[r] for r in ranks]:
+            self.active.remove(m)
+            self._start()  # its replacement, in its bundle
+
+    def exclude(self, node_id: str) -> list[int]:
+        self.excluded.add(node_id)
+        return [r for r, m in enumerate(self.active) if m.node_id == node_id]
+
+    def leave_all(self) -> None:
+        pass
+
+    def shutdown(self, timeout_s: float = 15.0) -> None:
+        self.calls.append(("shutdown", None))
+        self.active, self.pending, self.standby = [], [], []

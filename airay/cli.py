@@ -1,6 +1,6 @@
 """`airay` command line: `airay run JOB.yaml [--run-dir DIR] [--set key.path=value ...]`,
 `airay submit JOB.yaml` / `airay status` / `airay logs JOB_ID` (a job on a running cluster, see
-airay.submit), `airay plot RUN_DIR` and `airay simulate [--gpus 1024,4096,16384 ...]` (goodput
+airay.submit), `airay export CHECKPOINT --hf OUT_DIR` (airay.export), `airay plot RUN_DIR` and `airay simulate [--gpus 1024,4096,16384 ...]` (goodput
 per recovery policy, see airay.simulate)."""
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     cks.add_argument("--crc", action="store_true", help="also read every file and check its CRC-32")
     cks.add_argument("--keep", type=int, metavar="STEP", help="mark the checkpoint of STEP to keep (never pruned)")
     cks.add_argument("--json", action="store_true", help="print the rows as JSON")
+    exp = sub.add_parser("export", help="a checkpoint as a Hugging Face model folder (from_pretrained loads it)")
+    exp.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_NNNNNNNN, or a run directory (its newest step)")
+    exp.add_argument("--hf", required=True, metavar="OUT_DIR", help="the model folder to write")
+    exp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    exp.add_argument("--config", help="the run's config.yaml (default: found above the checkpoint)")
     sim = sub.add_parser("simulate", help="simulate weeks of training on a large fleet: goodput per policy")
     sim.add_argument("--gpus", default="1024,4096,16384", help="comma-separated fleet sizes")
     sim.add_argument("--gpus-per-node", type=int, default=8)
@@ -79,6 +84,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "export":
+        from airay.export import export_hf
+
+        try:
+            out = export_hf(args.checkpoint, args.hf, args.dtype, args.config)
+        except (FileNotFoundError, ValueError, ConfigError) as exc:
+            print(f"airay: {exc}", file=sys.stderr)
+            return 2
+        print(f"airay: wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it)")
+        return 0
     if args.command == "checkpoints":
         return _checkpoints(args)
     if args.command in ("submit", "status", "logs"):

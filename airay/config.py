@@ -58,10 +58,20 @@ DottedCallable = Annotated[str, AfterValidator(_importable)]
 
 
 class CallableSpec(_Spec):
-    """A function named by dotted path plus the keyword arguments it is called with."""
+    """A function named by dotted path plus the keyword arguments it is called with. A factory
+    whose module defines `check_kwargs(kwargs)` has them checked when the spec loads (e.g.
+    airay.models.hf: the pretrained folder exists, the model type is known)."""
 
     factory: DottedCallable = Field(description="'package.module:function' importable on every node")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _kwargs_checked(self) -> "CallableSpec":
+        module = importlib.import_module(resolve_callable(self.factory).__module__)
+        check = getattr(module, "check_kwargs", None)
+        if check is not None:
+            check(self.kwargs)
+        return self
 
 
 class DataSpec(_Spec):

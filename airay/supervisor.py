@@ -62,7 +62,7 @@ def supervise(driver_argv: list[str], run_dir: str, max_restarts: int, launched_
     handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
-            env = {**os.environ, ATTEMPT_ENV: str(attempt)}
+            env = {**os.environ, ATTEMPT_ENV: str(attempt), "PYTHONPATH": _pythonpath()}
             if launched_ts is not None and attempt == 0:
                 env[LAUNCHED_ENV] = repr(launched_ts)
             if previous is not None:
@@ -85,6 +85,13 @@ def supervise(driver_argv: list[str], run_dir: str, max_restarts: int, launched_
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def _pythonpath() -> str:
+    """PYTHONPATH for the driver: this airay's project first (a job's working_dir, or a checkout
+    run without installing, as jobs/train.py does), so the driver imports the same code."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root])
 
 
 def kill_session(sid: int) -> None:

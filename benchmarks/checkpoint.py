@@ -196,6 +196,12 @@ def synchronous_save_s(d_model: int, work: Path) -> float:
     return min(max(results[r][i] for r in range(WORKERS)) for i in range(2))
 
 
+def _num(v: float | None) -> str:
+    """A ratio, or "-" where the run had none (no worker was sampled before its first save: a
+    short run whose first save comes within the sampler's first interval)."""
+    return "-" if v is None else f"{v:.2f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="256,512,1024", help="d_model of each size")
@@ -223,14 +229,15 @@ def main() -> int:
         print(f"d_model {d_model} ({params / 1e6:.1f}M parameters): checkpoint {row['bytes'] / 2**20:.0f} MiB; "
               f"driver-node peak RSS {row['driver_node_peak_rss'] / 2**20:.0f} MiB over {row['driver_node_processes']} "
               f"processes (driver {row['driver_peak_rss'] / 2**20:.0f} MiB); worker peak RSS "
-              f"{row['worker_peak_rss'] / 2**20:.0f} MiB, x{row['worker_rss_vs_footprint']:.2f} its footprint; "
+              f"{row['worker_peak_rss'] / 2**20:.0f} MiB, x{_num(row['worker_rss_vs_footprint'])} its footprint; "
               f"held per save {row['held_median_s']:.3f} s vs DeepSpeed sync save {sync:.3f} s "
               f"(ratio {row['held_vs_sync']:.3f}); commit to memory {row['commit_median_s']:.2f} s "
               f"({row['commit_gb_per_s']:.2f} GB/s), peer copy {row['copy_median_s'] or 0:.2f} s; reshard reload {row['reshard_load_median_s']:.2f} s; "
               f"recovery_s {row['recovery_s']:.2f}; worlds {row['world_sizes']}", flush=True)
     flat = max(r["driver_node_peak_rss"] for r in rows) / min(r["driver_node_peak_rss"] for r in rows)
     out = {"sizes": rows, "workers": WORKERS, "driver_node_rss_growth": flat,
-           "worst_worker_rss_vs_footprint": max(r["worker_rss_vs_footprint"] for r in rows),
+           "worst_worker_rss_vs_footprint": max((r["worker_rss_vs_footprint"] for r in rows
+                                                 if r["worker_rss_vs_footprint"] is not None), default=None),
            "min_commit_gb_per_s": min(r["commit_gb_per_s"] for r in rows),
            "largest_recovery_s": rows[-1]["recovery_s"], "worst_held_vs_sync": max(r["held_vs_sync"] for r in rows)}
     print(f"driver-node peak RSS, largest / smallest size: x{flat:.2f} (target <= 1.5)")

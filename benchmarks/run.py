@@ -317,13 +317,13 @@ def render_checkpoint(ck: dict) -> list[str]:
             "| reshard reload s | recovery_s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *[f"| {r['d_model']} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / mib:.0f} | "
-              f"{r['driver_node_peak_rss'] / mib:.0f} | {r['worker_rss_vs_footprint']:.2f} | {r['held_median_s']:.3f} | "
+              f"{r['driver_node_peak_rss'] / mib:.0f} | {_ratio(r['worker_rss_vs_footprint'])} | {r['held_median_s']:.3f} | "
               f"{r['sync_save_s']:.3f} | {r['held_vs_sync']:.3f} | {r['commit_median_s']:.2f} | "
               f"{r['commit_gb_per_s']:.2f} | {r.get('copy_median_s') or 0:.2f} | {r['reshard_load_median_s']:.2f} | "
               f"{r['recovery_s']:.2f} |" for r in rows],
             "",
             f"Driver-node peak RSS, largest / smallest size: **x{ck['driver_node_rss_growth']:.2f}** (target ≤ 1.5); "
-            f"worker peak RSS / footprint, worst: **x{ck['worst_worker_rss_vs_footprint']:.2f}** (target ≤ 1.5); "
+            f"worker peak RSS / footprint, worst: **x{_ratio(ck['worst_worker_rss_vs_footprint'])}** (target ≤ 1.5); "
             f"commit to memory, slowest: **{ck['min_commit_gb_per_s']:.2f} GB/s** (target ≥ 1); recovery at the "
             f"largest size: **{ck['largest_recovery_s']:.2f} s** (target < 10); held per save / sync save, worst: "
             f"**{ck['worst_held_vs_sync']:.3f}** (target ≤ 0.10). Held per save is blocking_s + "
@@ -457,7 +457,14 @@ def _met(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
+def _ratio(v: float | None) -> str:
+    """A measured ratio, or "-" where the run had none (benchmarks/checkpoint.py: a reduced run
+    too short to sample a worker before its first save)."""
+    return "-" if v is None else f"{v:.2f}"
+
+
 def _met_at(rows: list[dict], key: str, ok, label) -> str:
+    rows = [r for r in rows if r[key] is not None]
     met = [label(r) for r in rows if ok(r[key])]
     missed = [label(r) for r in rows if not ok(r[key])]
     if not missed:
@@ -515,7 +522,7 @@ def readme_checkpoint(results: dict) -> list[str]:
         return f"{r['parameters'] / 1e6:.1f}M"
 
     gbps = [r["commit_gb_per_s"] for r in rows]
-    rss = [r["worker_rss_vs_footprint"] for r in rows]
+    rss = [r["worker_rss_vs_footprint"] for r in rows if r["worker_rss_vs_footprint"] is not None] or [float("nan")]
     return [f"{_ran(s)}: the tiny GPT at d_model {_and([str(r['d_model']) for r in rows])}, 8 layers "
             f"({_and([size(r) for r in rows])} parameters); {ck['workers']} workers on one-CPU nodes of a local "
             "cluster, ZeRO-2, memory saves every 2 steps, durable every 4, a worker killed at step 7 and regrown; "
@@ -524,7 +531,7 @@ def readme_checkpoint(results: dict) -> list[str]:
             "sync save | commit to memory | peer copy | reshard reload | recovery_s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *[f"| {r['d_model']} | {r['bytes'] / mib:.0f} MiB | {r['driver_node_peak_rss'] / mib:.0f} MiB | "
-              f"{r['worker_rss_vs_footprint']:.2f} | {r['held_median_s']:.3f} | {r['sync_save_s']:.3f} | "
+              f"{_ratio(r['worker_rss_vs_footprint'])} | {r['held_median_s']:.3f} | {r['sync_save_s']:.3f} | "
               f"{r['commit_median_s']:.2f} | {r.get('copy_median_s') or 0:.2f} | {r['reshard_load_median_s']:.2f} | "
               f"{r['recovery_s']:.2f} |" for r in rows], "",
             f"Driver-node peak RSS, smallest size to largest: x{ck['driver_node_rss_growth']:.2f} (target ≤ 1.5: "

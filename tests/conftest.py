@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import ray
 
@@ -12,6 +14,18 @@ def live_airay_actors() -> list[str]:
 
 def live_placement_groups() -> list[str]:
     return [pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"]
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int, cpus_per_node: float = 1, **spec):
+    """A real multi-node Ray cluster, connected, for a module's tests (shut down after)."""
+    lc = LocalCluster(LocalClusterSpec(local_nodes=nodes, cpus_per_node=cpus_per_node, **spec))
+    ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield lc
+    finally:
+        ray.shutdown()
+        lc.shutdown()
 
 
 @pytest.fixture

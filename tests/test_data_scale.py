@@ -12,10 +12,8 @@ import pytest
 import ray
 
 from airay import JobConfig, fit
-from airay.config import LocalClusterSpec
 from airay.events import read_jsonl
-from airay.local_cluster import LocalCluster
-from tests.conftest import assert_released
+from tests.conftest import assert_released, ray_cluster
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,13 +22,8 @@ STORE = 75 * 1024**2  # the smallest object store Ray allows, on the head and on
 
 @pytest.fixture(scope="module")
 def small_store_cluster():
-    lc = LocalCluster(LocalClusterSpec(local_nodes=2, object_store_memory=STORE))
-    ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
-    try:
+    with ray_cluster(nodes=2, object_store_memory=STORE) as lc:
         yield lc
-    finally:
-        ray.shutdown()
-        lc.shutdown()
 
 
 def test_dataset_several_times_the_object_store_streams_through(tmp_path, small_store_cluster):

@@ -15,14 +15,11 @@ import platform
 import time
 
 import pytest
-import ray
 
 from airay import JobConfig, fit
-from airay.config import LocalClusterSpec
 from airay.events import committed_losses, read_jsonl
 from airay.faults_doc import MATRIX
-from airay.local_cluster import LocalCluster
-from tests.conftest import assert_released
+from tests.conftest import assert_released, ray_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -56,11 +53,8 @@ def events(result, *types):
 
 @pytest.fixture(scope="module")
 def cluster():
-    lc = LocalCluster(LocalClusterSpec(local_nodes=3, cpus_per_node=2))
-    ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
-    yield lc
-    ray.shutdown()
-    lc.shutdown()
+    with ray_cluster(nodes=3, cpus_per_node=2) as lc:
+        yield lc
 
 
 @pytest.fixture(scope="module")

@@ -39,3 +39,37 @@ def mark_universal_checkpoint_info(model) -> None:
         UNIVERSAL_CHECKPOINT_VERSION_VALUE
 
     setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
+def zero3_consolidation_shapes():
+    """deepspeed 0.19's zero_to_fp32 calls `.numel()` on ZeRO-3 parameter shapes, which ZeRO-3
+    records as tuples (its ZeRO-1/2 path handles both): a context in which the model states it
+    parses carry torch.Size shapes (airay.export)."""
+    import contextlib
+
+    import torch
+    from deepspeed.utils import zero_to_fp32
+
+    original = zero_to_fp32.parse_model_states
+
+    def sized(shapes):
+        if isinstance(shapes, dict):
+            return {k: torch.Size(v) for k, v in shapes.items()}
+        return [sized(s) for s in shapes] if shapes is not None else None
+
+    def parse(files):
+        states = original(files)
+        for s in states:
+            s.param_shapes = sized(s.param_shapes)
+            s.frozen_param_shapes = sized(s.frozen_param_shapes)
+        return states
+
+    @contextlib.contextmanager
+    def patched():
+        zero_to_fp32.parse_model_states = parse
+        try:
+            yield
+        finally:
+            zero_to_fp32.parse_model_states = original
+
+    return patched()

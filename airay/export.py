@@ -1,0 +1,94 @@
+"""`airay export CHECKPOINT --hf OUT_DIR`: a checkpoint's weights as a Hugging Face model folder.
+
+CHECKPOINT is a step directory of the durable tier (RUN_DIR/checkpoints/step_NNNNNNNN, or under
+checkpoint.path) or a run directory (its newest durable step). The weights are consolidated from
+the shards as they are on disk, whatever the world size that wrote them (ZeRO 1-3: DeepSpeed's
+zero_to_fp32 reads the fp32 master partitions; stage 0: the module's own state), on the CPU,
+without the training world. The model comes from the run's spec (its config.yaml, or --config):
+an `airay.models.hf:build` model is rebuilt from its config or pretrained folder, loaded with
+the consolidated weights and written with `save_pretrained` (safetensors + config.json), plus
+the tokenizer when the spec names one (`model.kwargs.tokenizer`, or a pretrained folder's).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model")
+
+
+def resolve(checkpoint: str | Path, config: str | Path | None = None) -> tuple[Path, Path]:
+    """(the step directory, the run's config.yaml) of what the user named."""
+    from airay.checkpoint.layout import MANIFEST
+
+    path = Path(checkpoint)
+    if (path / "config.yaml").is_file() and not (path / MANIFEST).is_file():  # a run directory
+        steps = sorted(d for d in (path / "checkpoints").glob("step_*") if (d / MANIFEST).is_file())
+        if not steps:
+            raise FileNotFoundError(f"{path} has no complete durable checkpoint under checkpoints/")
+        path = steps[-1]
+    if not (path / MANIFEST).is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint step (no {MANIFEST}); give "
+                                "RUN_DIR/checkpoints/step_NNNNNNNN or a run directory")
+    found = Path(config) if config else next((p / "config.yaml" for p in path.parents if (p / "config.yaml").is_file()),
+                                             None)
+    if found is None or not found.is_file():
+        raise FileNotFoundError(f"no config.yaml above {path}: pass --config RUN_DIR/config.yaml (the run's spec)")
+    return path, found
+
+
+def consolidated_state(step_dir: Path) -> dict[str, Any]:
+    """The full fp32 state dict of a checkpoint step, read from its shards on the CPU."""
+    import torch
+
+    from airay.checkpoint.layout import Manifest, MANIFEST
+
+    manifest = Manifest.from_json((step_dir / MANIFEST).read_text())
+    if manifest.zero_stage == 0:
+        from airay.checkpoint.reshard import MODEL_FILE
+
+        return torch.load(step_dir / MODEL_FILE, map_location="cpu", weights_only=False)["module"]
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from airay.worker.deepspeed_compat import zero3_consolidation_shapes
+
+    with zero3_consolidation_shapes():
+        return get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32",
+              config: str | Path | None = None) -> Path:
+    """Write the checkpoint as a Hugging Face model folder; returns it."""
+    import torch
+
+    from airay.config import JobConfig
+
+    step_dir, config_file = resolve(checkpoint, config)
+    spec = JobConfig.from_yaml(config_file)
+    if spec.model.factory != "airay.models.hf:build":
+        raise ValueError(f"{config_file}: model.factory is {spec.model.factory}; --hf exports "
+                         "airay.models.hf:build models (a transformers PreTrainedModel)")
+    from airay.models import hf
+
+    model = hf.build(seed=spec.seed, **{**spec.model.kwargs, "dtype": "float32"})
+    state = consolidated_state(step_dir)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    persistent = {k for k in model.state_dict()}  # what save_pretrained writes
+    if unexpected or set(missing) & persistent:
+        raise ValueError(f"{step_dir}: the checkpoint does not match the spec's model: missing "
+                         f"{sorted(set(missing) & persistent)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    tokenizer = spec.model.kwargs.get("tokenizer") or spec.model.kwargs.get("pretrained")
+    if tokenizer:
+        if not (Path(tokenizer) / "tokenizer_config.json").is_file():
+            raise FileNotFoundError(f"model.kwargs.tokenizer: {tokenizer} is not a tokenizer folder (no "
+                                    "tokenizer_config.json); the weights are in {out}, without a tokenizer")
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer) / name).is_file():
+                shutil.copy2(Path(tokenizer) / name, out / name)
+    return out

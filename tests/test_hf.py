@@ -1,0 +1,95 @@
+"""Hugging Face transformers models through airay: a Llama-architecture model trained elastically
+on a real multi-node cluster, and its checkpoints exported as model folders that
+`AutoModelForCausalLM.from_pretrained` loads and that compute the loss the run logged.
+
+The loss check: a checkpoint "at step N" holds the weights step N trained from, and step N's
+logged loss is the mean over its global batch (full-length sequences, so the weighted
+micro-batch means are the global token mean). The exported model, in fp32, on step N's samples
+must give that loss (rtol 1e-5).
+"""
+
+import pytest
+import torch
+
+from airay import JobConfig, fit
+from airay.config import ConfigError
+from airay.events import committed_losses, read_jsonl
+from airay.models import hf
+from tests.conftest import assert_released, ray_cluster
+
+pytestmark = pytest.mark.cluster
+
+LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 64}
+SEQ, GBS, STEPS = 32, 12, 12
+
+
+def spec(run_dir, stage, chaos=()):
+    return JobConfig.from_dict({
+        "name": run_dir.name, "model": {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA}},
+        "loss_fn": "airay.models.hf:loss",
+        "data": {"sample_fn": "airay.models.hf:synthetic_tokens", "kwargs": {"vocab_size": 128, "seq_len": SEQ}},
+        "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": stage}},
+        "global_batch_size": GBS, "micro_batch_size": 2, "max_steps": STEPS, "steps_per_round": 4,
+        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": 4},
+        "timeouts": {"capacity_wait_s": 30, "hang_timeout_s": 20, "collective_timeout_s": 30, "survivor_drain_s": 10},
+        "chaos": list(chaos), "run_dir": str(run_dir)})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ray_cluster(nodes=3, cpus_per_node=2) as lc:
+        yield lc
+
+
+def step_loss(model, step):
+    batch = [hf.synthetic_tokens(i, 0, vocab_size=128, seq_len=SEQ) for i in range(step * GBS, (step + 1) * GBS)]
+    stacked = {k: torch.stack([b[k] for b in batch]) for k in ("input_ids", "attention_mask")}
+    with torch.no_grad():
+        return float(hf.loss(model, stacked))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_llama_trains_elastically_and_exports_a_folder_from_pretrained_loads(cluster, tmp_path, stage):
+    from transformers import AutoModelForCausalLM
+
+    from airay.export import export_hf
+
+    base = fit(spec(tmp_path / "base", stage), echo=False, local_cluster=cluster)
+    assert base.status == "finished" and base.world_sizes == [4]
+    faulty = fit(spec(tmp_path / "kill", stage, [{"fault": "kill_worker", "at_step": 6, "rank": 1}]), echo=False,
+                 local_cluster=cluster)
+    assert_released()
+    assert faulty.status == "finished" and faulty.world_sizes[:2] == [4, 3], faulty.error
+    expected, got = committed_losses(base.run_dir), committed_losses(faulty.run_dir)
+    assert sorted(got) == list(range(STEPS)) and got == pytest.approx(expected, rel=1e-4)
+    assert expected[STEPS - 1] < expected[0]  # it trained
+    # A step the world of 3 saved (after the kill at 6), exported from its shards and loaded back.
+    saved = {e["step"]: e["world_size"] for e in read_jsonl(f"{faulty.run_dir}/events.jsonl")
+             if e["type"] == "checkpoint_saved" and e["tier"] == "durable"}
+    step = min(s for s, w in saved.items() if w == 3)
+    out = export_hf(f"{faulty.run_dir}/checkpoints/step_{step:08d}", tmp_path / "hf")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert step_loss(model, step) == pytest.approx(got[step], rel=1e-5)
+    # A run directory exports its newest durable step: the final one, other weights.
+    final = AutoModelForCausalLM.from_pretrained(export_hf(faulty.run_dir, tmp_path / "final"),
+                                                 local_files_only=True).eval()
+    assert step_loss(final, step) != pytest.approx(got[step], rel=1e-3)
+
+
+def test_a_spec_with_a_missing_folder_or_unknown_model_fails_before_ray_names_the_field(tmp_path):
+    base = {"loss_fn": "airay.models.hf:loss", "global_batch_size": 4, "micro_batch_size": 2, "max_steps": 2}
+    with pytest.raises(ConfigError, match=r"model.kwargs.pretrained: .*no config.json"):
+        JobConfig.from_dict({**base, "model": {"factory": "airay.models.hf:build",
+                                               "kwargs": {"pretrained": str(tmp_path / "nowhere")}}})
+    with pytest.raises(ConfigError, match=r"model.kwargs.config.model_type: 'lama'"):
+        JobConfig.from_dict({**base, "model": {"factory": "airay.models.hf:build",
+                                               "kwargs": {"config": {"model_type": "lama"}}}})
+    # A pretrained folder saved locally loads back (nothing downloads).
+    folder = tmp_path / "pre"
+    hf.build(seed=0, config=LLAMA).save_pretrained(folder)
+    again = hf.build(seed=1, pretrained=str(folder))
+    ref = hf.build(seed=0, config=LLAMA)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ref.state_dict().values()))

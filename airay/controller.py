@@ -416,7 +416,25 @@ class Controller:
         self.ckpt.wait()
         self._check_checkpoints()
         self._require_durable("final")
+        if self.cfg.checkpoint.export_hf:
+            self._export_final()
         return State.FINISHED
+
+    def _export_final(self) -> None:
+        """The final checkpoint as a Hugging Face model folder (checkpoint.export_hf), written by a
+        task on a training node, not here: consolidating a model takes its full size in memory.
+        A failed export leaves the run finished (its checkpoint is durable) and says why."""
+        from airay.checkpoint.layout import step_name
+        from airay.checkpoint.manager import error_text
+
+        t0, out = time.time(), f"{self.ckpt.root}/hf"
+        try:
+            self.group.export(f"{self.ckpt.root}/{step_name(self.step)}", out, self.cfg.model.kwargs, self.cfg.seed,
+                              timeout_s=self.cfg.timeouts.phase_timeout_s)
+        except Exception as exc:
+            self.rec.event("export_failed", step=self.step, path=out, error=error_text(exc))
+            return
+        self.rec.event("exported", step=self.step, path=out, format="hf", export_s=time.time() - t0)
 
     def _require_durable(self, which: str) -> None:
         """The final and the preemption checkpoint are what the user keeps: a run whose one did

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+HF_FACTORY = "airay.models.hf:build"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model")
 
@@ -62,18 +63,26 @@ def consolidated_state(step_dir: Path) -> dict[str, Any]:
 def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32",
               config: str | Path | None = None) -> Path:
     """Write the checkpoint as a Hugging Face model folder; returns it."""
-    import torch
-
     from airay.config import JobConfig
 
     step_dir, config_file = resolve(checkpoint, config)
     spec = JobConfig.from_yaml(config_file)
-    if spec.model.factory != "airay.models.hf:build":
+    if spec.model.factory != HF_FACTORY:
         raise ValueError(f"{config_file}: model.factory is {spec.model.factory}; --hf exports "
-                         "airay.models.hf:build models (a transformers PreTrainedModel)")
+                         f"{HF_FACTORY} models (a transformers PreTrainedModel)")
+    return export_step(step_dir, out_dir, spec.model.kwargs, spec.seed, dtype)
+
+
+def export_step(step_dir: str | Path, out_dir: str | Path, model_kwargs: dict[str, Any], seed: int = 0,
+                dtype: str = "float32") -> Path:
+    """export_hf's work, given the model's kwargs (what a run's end hands a task on a worker node,
+    checkpoint.export_hf)."""
+    import torch
+
     from airay.models import hf
 
-    model = hf.build(seed=spec.seed, **{**spec.model.kwargs, "dtype": "float32"})
+    step_dir = Path(step_dir)
+    model = hf.build(seed=seed, **{**model_kwargs, "dtype": "float32"})
     state = consolidated_state(step_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     persistent = {k for k in model.state_dict()}  # what save_pretrained writes
@@ -83,7 +92,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.to(getattr(torch, dtype)).save_pretrained(out)
-    tokenizer = spec.model.kwargs.get("tokenizer") or spec.model.kwargs.get("pretrained")
+    tokenizer = model_kwargs.get("tokenizer") or model_kwargs.get("pretrained")
     if tokenizer:
         if not (Path(tokenizer) / "tokenizer_config.json").is_file():
             raise FileNotFoundError(f"model.kwargs.tokenizer: {tokenizer} is not a tokenizer folder (no "

@@ -104,7 +104,10 @@ class WorkerGroup:
         done, failed = {}, {}
         for key, ref in zip(keys, refs):
             try:
-                done[key] = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+                value = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+                if isinstance(value, Exception):  # an error put in place of a call (upload_from_store)
+                    raise value
+                done[key] = value
             except Exception as exc:  # the rank or store died, or its storage failed: the caller decides
                 failed[key] = error_text(exc)
         return done, failed
@@ -448,6 +451,18 @@ class WorkerGroup:
         for ref, rank in by_ref.items():
             outcomes[rank] = RankOutcome(rank, "silent", error=f"no answer {self.drain_s:.0f}s after a peer failed")
         return [outcomes[r] for r in range(len(refs))], values
+
+    def export(self, step_dir: str, out_dir: str, model_kwargs: dict, seed: int, timeout_s: float) -> str:
+        """Write a checkpoint step as a Hugging Face model folder (airay.export.export_step) in a
+        task on rank 0's node: the driver's node does no heavy work."""
+        from airay.export import export_step
+
+        opts: dict[str, Any] = {"num_cpus": 0, "max_retries": 0}
+        node = self.active[0].node_id if self.active else None
+        if node:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+        return str(ray.get(ray.remote(export_step).options(**opts).remote(step_dir, out_dir, model_kwargs, seed),
+                           timeout=timeout_s))
 
     # ---- losing and replacing workers -------------------------------------------------------
 

@@ -25,14 +25,14 @@ LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermedi
 SEQ, GBS, STEPS = 32, 12, 12
 
 
-def spec(run_dir, stage, chaos=()):
+def spec(run_dir, stage, chaos=(), export=False):
     return JobConfig.from_dict({
         "name": run_dir.name, "model": {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA}},
         "loss_fn": "airay.models.hf:loss",
         "data": {"sample_fn": "airay.models.hf:synthetic_tokens", "kwargs": {"vocab_size": 128, "seq_len": SEQ}},
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": stage}},
         "global_batch_size": GBS, "micro_batch_size": 2, "max_steps": STEPS, "steps_per_round": 4,
-        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": 4},
+        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": 4, "export_hf": export},
         "timeouts": {"capacity_wait_s": 30, "hang_timeout_s": 20, "collective_timeout_s": 30, "survivor_drain_s": 10},
         "chaos": list(chaos), "run_dir": str(run_dir)})
 
@@ -58,8 +58,8 @@ def test_a_llama_trains_elastically_and_exports_a_folder_from_pretrained_loads(c
 
     base = fit(spec(tmp_path / "base", stage), echo=False, local_cluster=cluster)
     assert base.status == "finished" and base.world_sizes == [4]
-    faulty = fit(spec(tmp_path / "kill", stage, [{"fault": "kill_worker", "at_step": 6, "rank": 1}]), echo=False,
-                 local_cluster=cluster)
+    faulty = fit(spec(tmp_path / "kill", stage, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True),
+                 echo=False, local_cluster=cluster)
     assert_released()
     assert faulty.status == "finished" and faulty.world_sizes[:2] == [4, 3], faulty.error
     expected, got = committed_losses(base.run_dir), committed_losses(faulty.run_dir)
@@ -77,6 +77,11 @@ def test_a_llama_trains_elastically_and_exports_a_folder_from_pretrained_loads(c
     final = AutoModelForCausalLM.from_pretrained(export_hf(faulty.run_dir, tmp_path / "final"),
                                                  local_files_only=True).eval()
     assert step_loss(final, step) != pytest.approx(got[step], rel=1e-3)
+    # checkpoint.export_hf: the run wrote the same folder itself when it finished, from a task.
+    (exported,) = [e for e in read_jsonl(f"{faulty.run_dir}/events.jsonl") if e["type"] == "exported"]
+    assert exported["step"] == STEPS and exported["path"] == f"{faulty.run_dir}/checkpoints/hf"
+    at_end = AutoModelForCausalLM.from_pretrained(exported["path"], local_files_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(at_end.state_dict().values(), final.state_dict().values()))
 
 
 def test_a_spec_with_a_missing_folder_or_unknown_model_fails_before_ray_names_the_field(tmp_path):

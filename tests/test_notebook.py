@@ -24,3 +24,6 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
     assert "finished at step 24" in text and "resize 3 -> 2 (failure)" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the plot, inline
     assert "goodput" in text and (tmp_path / "runs" / "quickstart" / "result.json").is_file()
+    # The Hugging Face part: trained through a kill, exported, loaded, generating.
+    assert "llama finished at step 20" in text and "restarts 1" in text and "generated: 'def " in text
+    assert (tmp_path / "runs" / "llama-hf" / "model.safetensors").is_file()

@@ -98,3 +98,23 @@ def test_a_spec_with_a_missing_folder_or_unknown_model_fails_before_ray_names_th
     again = hf.build(seed=1, pretrained=str(folder))
     ref = hf.build(seed=0, config=LLAMA)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ref.state_dict().values()))
+
+
+def test_bf16_mixed_precision_trains_through_a_kill_and_exports_fp32_master_weights(cluster, tmp_path):
+    """DeepSpeed's bf16 on its CPU accelerator (ZeRO-2): the run recovers like an fp32 one, and
+    the export holds the fp32 master weights, whose fp32 loss on a step's batch is the loss the
+    bf16 run logged there up to bf16 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from airay.export import export_hf
+
+    data = spec(tmp_path / "bf16", 2, [{"fault": "kill_worker", "at_step": 6, "rank": 1}]).model_dump(mode="json")
+    data["deepspeed"]["bf16"] = {"enabled": True}
+    result = fit(JobConfig.from_dict(data), echo=False, local_cluster=cluster)
+    assert_released()
+    assert result.status == "finished" and result.world_sizes[:2] == [4, 3] and result.restarts == 1, result.error
+    losses = committed_losses(result.run_dir)
+    assert sorted(losses) == list(range(STEPS)) and losses[STEPS - 1] < losses[0]
+    out = export_hf(f"{result.run_dir}/checkpoints/step_00000008", tmp_path / "hf", dtype="bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
+    assert step_loss(model, 8) == pytest.approx(losses[8], rel=1e-2)

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from airay.config import ConfigError, JobConfig
+from airay.config import ConfigError, JobConfig, resolve_run_dir
 
 
 def _summary(result) -> str:
@@ -121,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.driver and config.health.max_driver_restarts > 0:
             # This process supervises; the driver runs in a child it restarts if it dies.
-            from airay.config import resolve_run_dir
-
             run_dir = str(resolve_run_dir(config))
             driver_argv = ["run", args.spec, *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir,
                            "--driver", *(["--json"] if args.json else [])]

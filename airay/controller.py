@@ -14,7 +14,6 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
 from airay import goodput, policy
 from airay.chaos_hook import ChaosHook
 from airay.checkpoint.layout import CheckpointInfo, job_identity
@@ -126,7 +125,8 @@ class Controller:
         self.preempt_deadline: float | None = None  # set by SIGTERM (request_preemption)
         # Chaos at the named points (airay.chaos_hook); faults an earlier driver of this run
         # directory injected (it was killed and restarted) are not injected again.
-        self.chaos = ChaosHook(config.chaos, recorder, local, root, read_jsonl(recorder.run_dir / "events.jsonl"))
+        self.earlier_events = read_jsonl(recorder.run_dir / "events.jsonl")  # of earlier drivers of this run dir
+        self.chaos = ChaosHook(config.chaos, recorder, local, root, self.earlier_events)
         # Under `airay run` a driver that dies is restarted (airay.supervisor): which attempt this is.
         self.supervised = driver_attempt is not None
         self.driver_attempt, self.previous_exit = driver_attempt or 0, previous_exit
@@ -156,8 +156,8 @@ class Controller:
                                  global_batch_size=self.cfg.global_batch_size, **restart,
                                  **{k: round(v, 4) for k, v in self.launch.items()})
         # A restarted driver continues its run: wall time from the run's start (airay.goodput.run_spans).
-        spans = goodput.run_spans(read_jsonl(self.rec.run_dir / "events.jsonl"), [])
-        self.t_start = spans[-1][0] if restart and spans else goodput.run_start(started)
+        spans = goodput.run_spans(self.earlier_events, []) if restart else []
+        self.t_start = spans[-1][0] if spans else goodput.run_start(started)
         error = None
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):

@@ -24,13 +24,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def resolve(checkpoint: str | Path, config: str | Path | None = None) -> tuple[Path, Path]:
     """(the step directory, the run's config.yaml) of what the user named."""
     from airay.checkpoint.layout import MANIFEST
+    from airay.checkpoint.tiers import DurableTier
+    from airay.config import JobConfig
 
     path = Path(checkpoint)
     if (path / "config.yaml").is_file() and not (path / MANIFEST).is_file():  # a run directory
-        steps = sorted(d for d in (path / "checkpoints").glob("step_*") if (d / MANIFEST).is_file())
-        if not steps:
-            raise FileNotFoundError(f"{path} has no complete durable checkpoint under checkpoints/")
-        path = steps[-1]
+        root = JobConfig.from_yaml(path / "config.yaml").checkpoint.path or path / "checkpoints"
+        if "://" not in str(root) and not Path(root).is_dir():
+            raise FileNotFoundError(f"{path} has no durable checkpoints ({root} does not exist)")
+        complete = DurableTier(str(root), {}).complete()  # newest first, every file at its size
+        if not complete:
+            raise FileNotFoundError(f"{path} has no complete durable checkpoint in {root}")
+        path = Path(complete[0].path)
     if not (path / MANIFEST).is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint step (no {MANIFEST}); give "
                                 "RUN_DIR/checkpoints/step_NNNNNNNN or a run directory")
@@ -85,7 +90,7 @@ def export_step(step_dir: str | Path, out_dir: str | Path, model_kwargs: dict[st
     model = hf.build(seed=seed, **{**model_kwargs, "dtype": "float32"})
     state = consolidated_state(step_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    persistent = {k for k in model.state_dict()}  # what save_pretrained writes
+    persistent = set(model.state_dict())  # what save_pretrained writes
     if unexpected or set(missing) & persistent:
         raise ValueError(f"{step_dir}: the checkpoint does not match the spec's model: missing "
                          f"{sorted(set(missing) & persistent)[:5]}, unexpected {sorted(unexpected)[:5]}")
@@ -96,7 +101,7 @@ def export_step(step_dir: str | Path, out_dir: str | Path, model_kwargs: dict[st
     if tokenizer:
         if not (Path(tokenizer) / "tokenizer_config.json").is_file():
             raise FileNotFoundError(f"model.kwargs.tokenizer: {tokenizer} is not a tokenizer folder (no "
-                                    "tokenizer_config.json); the weights are in {out}, without a tokenizer")
+                                    f"tokenizer_config.json); the weights are in {out}, without a tokenizer")
         for name in TOKENIZER_FILES:
             if (Path(tokenizer) / name).is_file():
                 shutil.copy2(Path(tokenizer) / name, out / name)

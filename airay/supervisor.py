@@ -112,8 +112,8 @@ def give_up(run_dir: str, why: str, max_restarts: int) -> None:
              "re-run the same command to resume from the newest checkpoint")
     recorder = RunRecorder(run_dir, echo=False)
     try:
-        durable = [e.get("durable_step") for e in read_jsonl(f"{run_dir}/events.jsonl")
-                   if e.get("durable_step") is not None]
+        durable = [e["step"] for e in read_jsonl(f"{run_dir}/events.jsonl")
+                   if e["type"] == "checkpoint_saved" and e.get("tier") == "durable"]
         recorder.event("run_failed", error=error, traceback=None, durable_step=durable[-1] if durable else None)
         recorder.write_result({"status": "failed", "error": error, "run_dir": run_dir, "ts": time.time()})
     finally:

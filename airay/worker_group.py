@@ -305,15 +305,7 @@ class WorkerGroup:
         """Make a world of `world_size`: survivors keep their order, standby workers join after.
         `faults`: chaos struck in the ranks' joins. A rank that dies or hangs meanwhile (rank 0
         picking the rendezvous port included) comes back as its outcome, like one in a round."""
-        # Joining workers take ranks grouped by node: co-located ranks are neighbours (the order
-        # ring collectives favour), and a node's ranks are predictable for chaos at named ranks.
-        self.standby.sort(key=lambda m: (m.node_id or "", m.bundle_index))
-        while len(self.active) < world_size and self.standby:
-            self.active.append(self.standby.pop(0))
-        if len(self.active) > world_size:  # an allowed size below the survivors (whole nodes only)
-            idle = policy.ranks_to_idle([m.node_id for m in self.active], world_size)
-            self.standby += [self.active[r] for r in idle]
-            self.active = [m for r, m in enumerate(self.active) if r not in idle]
+        self.active, self.standby = world_members(self.active, self.standby, world_size)
         assert len(self.active) == world_size, (len(self.active), world_size)
         master = self.active[0]
         (picked,), ports = self._gather([master.actor.free_port.remote()], self.phase_timeout_s, collective=False)
@@ -526,6 +518,21 @@ class WorkerGroup:
             if all(table.get(i, {}).get("state", "REMOVED") == "REMOVED" for i in pg_ids):
                 break
             time.sleep(0.1)
+
+
+def world_members(active: list, standby: list, world_size: int) -> tuple[list, list]:
+    """(the new world's members in rank order, those left standing by): survivors keep their
+    order, standby workers join after, grouped by node (co-located ranks are neighbours, the
+    order ring collectives favour, and a node's ranks are predictable for chaos at named ranks).
+    An allowed size below the survivors idles whole nodes' ranks (policy.ranks_to_idle)."""
+    standby = sorted(standby, key=lambda m: (m.node_id or "", m.bundle_index))
+    joining = standby[:max(0, world_size - len(active))]
+    active, standby = list(active) + joining, standby[len(joining):]
+    if len(active) > world_size:
+        idle = policy.ranks_to_idle([m.node_id for m in active], world_size)
+        standby += [active[r] for r in idle]
+        active = [m for r, m in enumerate(active) if r not in idle]
+    return active, standby
 
 
 def nodes_died(nodes: set[str | None], suspects: set[str | None], wait_s: float) -> set[str | None]:

@@ -20,6 +20,7 @@ from typing import Any
 from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
 from airay.health import RankOutcome
 from airay.policy import BatchPlan
+from airay.worker_group import world_members
 
 FILE_BYTES = 64
 
@@ -31,6 +32,7 @@ def step_loss(step: int) -> float:
 @dataclass
 class FakeMember:
     node_id: str
+    bundle_index: int = 0
     polls_left: int = 0  # polls before it is ready
     info: dict[str, Any] = field(default_factory=dict)
     joined: dict[str, Any] = field(default_factory=dict)
@@ -101,7 +103,7 @@ class FakeGroup:
     def _start(self) -> None:
         i = next(self._ids)
         polls = self.ready_after.pop(0) if self.ready_after else 0
-        self.pending.append(FakeMember(f"node{i % self.nodes}", polls, info={"node_id": f"node{i % self.nodes}",
+        self.pending.append(FakeMember(f"node{i % self.nodes}", polls_left=polls, info={"node_id": f"node{i % self.nodes}",
                                                                             "pid": 1000 + i}))
 
     def poll_pending(self, timeout_s: float = 0.0) -> list[FakeMember]:
@@ -155,11 +157,7 @@ class FakeGroup:
         return out
 
     def form(self, world_size: int, plan: BatchPlan, faults=None):
-        self.standby.sort(key=lambda m: m.node_id)
-        while len(self.active) < world_size and self.standby:
-            self.active.append(self.standby.pop(0))
-        while len(self.active) > world_size:
-            self.standby.insert(0, self.active.pop())
+        self.active, self.standby = world_members(self.active, self.standby, world_size)
         self.plan = plan
         return self._outcomes("form", world_size), {}
 

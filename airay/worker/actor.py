@@ -117,12 +117,12 @@ class TrainWorker:
                 "cuda_visible_devices": self.assigned.visible_devices, "cuda_device": self.assigned.cuda_device,
                 "sigterm_handled": self.preemption_handled}
 
-    def free_port(self) -> int:
+    def free_port(self, host: str | None = None) -> int:
         """The rendezvous port of the next world this rank is rank 0 of: a socket listening on
-        this node's address, held until the join hands it to the world's store."""
+        this node's address (or `host`), held until the join hands it to the world's store."""
         if self._listening is not None:
             self._listening.close()
-        self._listening = listen_socket(self.ip)
+        self._listening = listen_socket(host or self.ip)
         return self._listening.getsockname()[1]
 
     def ready(self) -> dict[str, Any]:
@@ -142,8 +142,7 @@ class TrainWorker:
         """
         t0 = time.perf_counter()
         plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
-        self._listening = listen_socket("127.0.0.1")
-        self.join(0, 1, "127.0.0.1", self._listening.getsockname()[1], plan.__dict__)
+        self.join(0, 1, "127.0.0.1", self.free_port("127.0.0.1"), plan.__dict__)
         self.leave()
         self.timeline["warm_ts"] = time.time()
         return {**self.ready(), "warmup_s": time.perf_counter() - t0}

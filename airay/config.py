@@ -195,8 +195,8 @@ class CheckpointSpec(_Spec):
         30, gt=0, description="after SIGTERM (spot reclaim), the run checkpoints and exits within this long")
     export_hf: bool = Field(
         False, description="when the run finishes, also write its final checkpoint as a Hugging Face model folder, "
-        "PATH/hf (model.factory airay.models.hf:build; a checkpoint directory, not a URI), in a task on a "
-        "training node")
+        "PATH/hf (model.factory must build a transformers PreTrainedModel: airay.models.hf:build or your own; "
+        "a checkpoint directory, not a URI), in a task on a training node")
     upload_retries: int = Field(
         2, ge=0, description="a durable upload that fails is tried again this many times (its files wait in "
         "the memory tier) before the checkpoint counts as failed (health.max_checkpoint_failures)")
@@ -421,9 +421,6 @@ class JobConfig(_Spec):
             if fault.fault in DATA_FAULTS and self.data.source == "synthetic":
                 raise ValueError(f"chaos[{i}]: {fault.fault} spoils a block of streamed data; it needs "
                                  "data.source parquet or dataset")
-        if self.checkpoint.export_hf and self.model.factory != "airay.models.hf:build":
-            raise ValueError(f"checkpoint.export_hf writes airay.models.hf:build models; model.factory is "
-                             f"{self.model.factory}: remove checkpoint.export_hf")
         if self.checkpoint.export_hf and self.checkpoint.path and "://" in self.checkpoint.path:
             raise ValueError(f"checkpoint.export_hf reads and writes a directory; checkpoint.path is the URI "
                              f"{self.checkpoint.path}: export afterwards with `airay export` from a local copy")

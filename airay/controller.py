@@ -429,7 +429,8 @@ class Controller:
 
         t0, out = time.time(), f"{self.ckpt.root}/hf"
         try:
-            self.group.export(f"{self.ckpt.root}/{step_name(self.step)}", out, self.cfg.model.kwargs, self.cfg.seed,
+            self.group.export(f"{self.ckpt.root}/{step_name(self.step)}", out, self.cfg.model.factory,
+                              self.cfg.model.kwargs, self.cfg.seed,
                               timeout_s=self.cfg.timeouts.phase_timeout_s)
         except Exception as exc:
             self.rec.event("export_failed", step=self.step, path=out, error=error_text(exc))

@@ -5,9 +5,11 @@ checkpoint.path) or a run directory (its newest durable step). The weights are c
 the shards as they are on disk, whatever the world size that wrote them (ZeRO 1-3: DeepSpeed's
 zero_to_fp32 reads the fp32 master partitions; stage 0: the module's own state), on the CPU,
 without the training world. The model comes from the run's spec (its config.yaml, or --config):
-an `airay.models.hf:build` model is rebuilt from its config or pretrained folder, loaded with
-the consolidated weights and written with `save_pretrained` (safetensors + config.json), plus
-the tokenizer when the spec names one (`model.kwargs.tokenizer`, or a pretrained folder's).
+its `model.factory` builds it again (`airay.models.hf:build` from its config or pretrained
+folder, in fp32; a factory of your own as it builds it, then cast to fp32), it must be a
+transformers `PreTrainedModel`, it is loaded with the consolidated weights and written with
+`save_pretrained` (safetensors + config.json), plus the tokenizer when the spec names one
+(`model.kwargs.tokenizer`, or a pretrained folder's).
 """
 
 from __future__ import annotations
@@ -72,22 +74,32 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32
 
     step_dir, config_file = resolve(checkpoint, config)
     spec = JobConfig.from_yaml(config_file)
-    if spec.model.factory != HF_FACTORY:
-        raise ValueError(f"{config_file}: model.factory is {spec.model.factory}; --hf exports "
-                         f"{HF_FACTORY} models (a transformers PreTrainedModel)")
-    return export_step(step_dir, out_dir, spec.model.kwargs, spec.seed, dtype)
+    return export_step(step_dir, out_dir, spec.model.factory, spec.model.kwargs, spec.seed, dtype)
 
 
-def export_step(step_dir: str | Path, out_dir: str | Path, model_kwargs: dict[str, Any], seed: int = 0,
-                dtype: str = "float32") -> Path:
-    """export_hf's work, given the model's kwargs (what a run's end hands a task on a worker node,
+def build_fp32(factory: str, model_kwargs: dict[str, Any], seed: int = 0):
+    """The spec's model in fp32, checked to be one `save_pretrained` can write."""
+    from transformers import PreTrainedModel
+
+    from airay.config import resolve_callable
+
+    kwargs = {**model_kwargs, "dtype": "float32"} if factory == HF_FACTORY else model_kwargs
+    model = resolve_callable(factory)(seed=seed, **kwargs)
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"model.factory {factory} builds a {type(model).__name__}, not a transformers "
+                         f"PreTrainedModel: a Hugging Face folder holds transformers models only (use {HF_FACTORY}, "
+                         "or a factory of your own that returns a PreTrainedModel)")
+    return model.float()
+
+
+def export_step(step_dir: str | Path, out_dir: str | Path, factory: str, model_kwargs: dict[str, Any],
+                seed: int = 0, dtype: str = "float32") -> Path:
+    """export_hf's work, given the spec's model (what a run's end hands a task on a worker node,
     checkpoint.export_hf)."""
     import torch
 
-    from airay.models import hf
-
     step_dir = Path(step_dir)
-    model = hf.build(seed=seed, **{**model_kwargs, "dtype": "float32"})
+    model = build_fp32(factory, model_kwargs, seed)
     state = consolidated_state(step_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     persistent = set(model.state_dict())  # what save_pretrained writes

@@ -444,7 +444,8 @@ class WorkerGroup:
             outcomes[rank] = RankOutcome(rank, "silent", error=f"no answer {self.drain_s:.0f}s after a peer failed")
         return [outcomes[r] for r in range(len(refs))], values
 
-    def export(self, step_dir: str, out_dir: str, model_kwargs: dict, seed: int, timeout_s: float) -> str:
+    def export(self, step_dir: str, out_dir: str, factory: str, model_kwargs: dict, seed: int,
+               timeout_s: float) -> str:
         """Write a checkpoint step as a Hugging Face model folder (airay.export.export_step) in a
         task on rank 0's node: the driver's node does no heavy work."""
         from airay.export import export_step
@@ -453,7 +454,7 @@ class WorkerGroup:
         node = self.active[0].node_id if self.active else None
         if node:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
-        return str(ray.get(ray.remote(export_step).options(**opts).remote(step_dir, out_dir, model_kwargs, seed),
+        return str(ray.get(ray.remote(export_step).options(**opts).remote(step_dir, out_dir, factory, model_kwargs, seed),
                            timeout=timeout_s))
 
     # ---- losing and replacing workers -------------------------------------------------------

@@ -241,7 +241,7 @@ def main() -> int:
            "min_commit_gb_per_s": min(r["commit_gb_per_s"] for r in rows),
            "largest_recovery_s": rows[-1]["recovery_s"], "worst_held_vs_sync": max(r["held_vs_sync"] for r in rows)}
     print(f"driver-node peak RSS, largest / smallest size: x{flat:.2f} (target <= 1.5)")
-    print(f"worker peak RSS / footprint, worst: x{out['worst_worker_rss_vs_footprint']:.2f} (target <= 1.5)")
+    print(f"worker peak RSS / footprint, worst: x{_num(out['worst_worker_rss_vs_footprint'])} (target <= 1.5)")
     print(f"commit to memory, slowest size: {out['min_commit_gb_per_s']:.2f} GB/s (target >= 1)")
     print(f"recovery_s at the largest size: {out['largest_recovery_s']:.2f} s (target < 10)")
     print(f"held per save / DeepSpeed sync save, worst size: {out['worst_held_vs_sync']:.3f} (target <= 0.10)")

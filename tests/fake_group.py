@@ -199,7 +199,7 @@ class FakeGroup:
                                  "window": [time.time(), time.time()]}))
         return refs
 
-    def export(self, step_dir, out_dir, model_kwargs, seed, timeout_s):
+    def export(self, step_dir, out_dir, factory, model_kwargs, seed, timeout_s):
         raise NotImplementedError("the fake group exports nothing")
 
     def upload_from_store(self, step, names, location, nodes):

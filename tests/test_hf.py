@@ -25,14 +25,28 @@ LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermedi
 SEQ, GBS, STEPS = 32, 12, 12
 
 
-def spec(run_dir, stage, chaos=(), export=False):
+def paced_build(seed=0, forward_delay_s=0.0, **kwargs):
+    """hf.build with a sleep before each forward: slower steps (the math is unchanged: losses
+    equal an unpaced run's) leave the replacement of a killed worker, a cold process, time to
+    start and warm up before the run ends, so the world regrows."""
+    import time
+
+    model = hf.build(seed, **kwargs)
+    model.register_forward_pre_hook(lambda module, args: time.sleep(forward_delay_s))
+    return model
+
+
+def spec(run_dir, stage, chaos=(), export=False, forward_delay_s=0.0, steps_per_round=4,
+         every_n_steps=4):
+    model = {"factory": "tests.test_hf:paced_build", "kwargs": {"config": LLAMA, "forward_delay_s": forward_delay_s}} \
+        if forward_delay_s else {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA}}
     return JobConfig.from_dict({
-        "name": run_dir.name, "model": {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA}},
+        "name": run_dir.name, "model": model,
         "loss_fn": "airay.models.hf:loss",
         "data": {"sample_fn": "airay.models.hf:synthetic_tokens", "kwargs": {"vocab_size": 128, "seq_len": SEQ}},
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": stage}},
-        "global_batch_size": GBS, "micro_batch_size": 2, "max_steps": STEPS, "steps_per_round": 4,
-        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": 4, "export_hf": export},
+        "global_batch_size": GBS, "micro_batch_size": 2, "max_steps": STEPS, "steps_per_round": steps_per_round,
+        "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": every_n_steps, "keep_last": 8, "export_hf": export},
         "timeouts": {"capacity_wait_s": 30, "hang_timeout_s": 20, "collective_timeout_s": 30, "survivor_drain_s": 10},
         "chaos": list(chaos), "run_dir": str(run_dir)})
 
@@ -51,17 +65,19 @@ def step_loss(model, step):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_llama_trains_elastically_and_exports_a_folder_from_pretrained_loads(cluster, tmp_path, stage):
+def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pretrained_loads(cluster, tmp_path, stage):
     from transformers import AutoModelForCausalLM
 
     from airay.export import export_hf
 
     base = fit(spec(tmp_path / "base", stage), echo=False, local_cluster=cluster)
     assert base.status == "finished" and base.world_sizes == [4]
-    faulty = fit(spec(tmp_path / "kill", stage, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True),
-                 echo=False, local_cluster=cluster)
+    # Paced steps and rounds of 2: the killed rank's replacement joins at a round's end (4 -> 3 -> 4);
+    # durable saves every 2 steps: the world of 3 writes one (at 6) before it grows.
+    faulty = fit(spec(tmp_path / "kill", stage, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True,
+                      forward_delay_s=0.8, steps_per_round=2, every_n_steps=2), echo=False, local_cluster=cluster)
     assert_released()
-    assert faulty.status == "finished" and faulty.world_sizes[:2] == [4, 3], faulty.error
+    assert faulty.status == "finished" and faulty.world_sizes == [4, 3, 4], faulty.error
     expected, got = committed_losses(base.run_dir), committed_losses(faulty.run_dir)
     assert sorted(got) == list(range(STEPS)) and got == pytest.approx(expected, rel=1e-4)
     assert expected[STEPS - 1] < expected[0]  # it trained
@@ -98,6 +114,13 @@ def test_a_spec_with_a_missing_folder_or_unknown_model_fails_before_ray_names_th
     again = hf.build(seed=1, pretrained=str(folder))
     ref = hf.build(seed=0, config=LLAMA)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ref.state_dict().values()))
+    # Export takes any factory that returns a transformers model, and names the one that does not.
+    from airay.export import build_fp32
+
+    assert type(build_fp32("tests.test_hf:paced_build", {"config": LLAMA})).__name__ == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match=r"model.factory airay.models.tiny_gpt:build builds a TinyGPT, not a "
+                                         r"transformers PreTrainedModel"):
+        build_fp32("airay.models.tiny_gpt:build", {})
 
 
 def test_bf16_mixed_precision_trains_through_a_kill_and_exports_fp32_master_weights(cluster, tmp_path):

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from airay.config import ConfigError, JobConfig, resolve_run_dir
+from airay.config import ConfigError, JobConfig, spec_mapping, supervision
 
 
 def _summary(result) -> str:
@@ -110,21 +110,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "run":
+        from airay import supervisor
+        from airay.events import process_start_ts
+
         overrides = list(args.set) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
         try:
+            if not args.driver:
+                # This process supervises (the driver runs in a child it restarts if it dies):
+                # it reads what it needs and leaves the full checks to the driver, at once.
+                run_dir, max_restarts = supervision(spec_mapping(args.spec, overrides), args.spec)
+                if max_restarts > 0:
+                    driver_argv = ["run", args.spec, *[a for s in args.set for a in ("--set", s)], "--run-dir",
+                                   str(run_dir), "--driver", *(["--json"] if args.json else [])]
+                    return supervisor.supervise(driver_argv, str(run_dir), max_restarts, process_start_ts())
             config = JobConfig.from_yaml(args.spec, overrides)
         except ConfigError as exc:
             print(f"airay: {exc}", file=sys.stderr)
             return 2
-        from airay import supervisor
-        from airay.events import process_start_ts
-
-        if not args.driver and config.health.max_driver_restarts > 0:
-            # This process supervises; the driver runs in a child it restarts if it dies.
-            run_dir = str(resolve_run_dir(config))
-            driver_argv = ["run", args.spec, *[a for s in args.set for a in ("--set", s)], "--run-dir", run_dir,
-                           "--driver", *(["--json"] if args.json else [])]
-            return supervisor.supervise(driver_argv, run_dir, config.health.max_driver_restarts, process_start_ts())
         import os
 
         from airay.api import fit

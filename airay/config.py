@@ -452,22 +452,7 @@ class JobConfig(_Spec):
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> "JobConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"job spec file '{path}' does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"job spec file '{path}' is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"job spec file '{path}' must hold a mapping at the top level")
-        # A relative DeepSpeed JSON path is relative to the spec file, so jobs run from anywhere.
-        ds = data.get("deepspeed")
-        if isinstance(ds, str) and not Path(ds).is_absolute():
-            data["deepspeed"] = str(path.parent / ds)
-        for item in overrides or []:
-            apply_override(data, item)
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(spec_mapping(path, overrides), source=str(path))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -487,11 +472,49 @@ class JobConfig(_Spec):
         return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
 
 
+def spec_mapping(path: str | os.PathLike, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A spec file's mapping with the overrides applied, not yet checked (JobConfig.from_dict checks)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"job spec file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"job spec file '{path}' is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"job spec file '{path}' must hold a mapping at the top level")
+    # A relative DeepSpeed JSON path is relative to the spec file, so jobs run from anywhere.
+    ds = data.get("deepspeed")
+    if isinstance(ds, str) and not Path(ds).is_absolute():
+        data["deepspeed"] = str(path.parent / ds)
+    for item in overrides or []:
+        apply_override(data, item)
+    return data
+
+
 def resolve_run_dir(config: JobConfig) -> Path:
     """The run directory: the spec's, else runs/NAME-TIMESTAMP (fixed once, by whoever starts the run)."""
-    if config.run_dir:
-        return Path(config.run_dir)
-    return Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return run_dir_for(config.name, config.run_dir)
+
+
+def run_dir_for(name: str, run_dir: str | None) -> Path:
+    return Path(run_dir) if run_dir else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def supervision(data: dict[str, Any], source: str) -> tuple[Path, int]:
+    """What `airay run`'s supervisor needs of a spec mapping: the run directory and
+    health.max_driver_restarts. Checks only those fields: the full checks import the model's
+    code (torch, seconds of CPU), which the driver does anyway, and the driver reports bad input
+    (exit 2) before Ray starts. A field here that is wrong gets JobConfig's own error."""
+    try:
+        health = HealthSpec.model_validate(data.get("health") or {})
+        name, run_dir = data.get("name", JobConfig.model_fields["name"].default), data.get("run_dir")
+        if not isinstance(name, str) or not isinstance(run_dir, (str, type(None))):
+            raise TypeError
+    except (ValidationError, TypeError, AttributeError):
+        JobConfig.from_dict(data, source)  # raises the error naming the field
+        raise
+    return run_dir_for(name, run_dir), health.max_driver_restarts
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

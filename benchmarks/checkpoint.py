@@ -37,12 +37,13 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.sampler import Sampler  # noqa: E402
 
 WORKERS, LAYERS, SEQ = 4, 8, 32
 DEEPSPEED = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}
@@ -64,40 +65,32 @@ def job(run_dir: Path, d_model: int, work: Path) -> dict:
             "timeouts": {"capacity_wait_s": 300}, "run_dir": str(run_dir)}
 
 
-class RssSampler:
+class RssSampler(Sampler):
     """Peak RSS of processes, sampled in a thread: the driver and the driver node's Ray processes
     (by pid, found anew each sample), and the training workers (by pid, once known)."""
 
+    period_s = 0.2
+
     def __init__(self, driver_node_pids, worker_pids):
+        super().__init__()
         self.driver_node_pids, self.worker_pids = driver_node_pids, worker_pids
         self.driver_node: dict[int, int] = {}
         self.workers: dict[int, list[tuple[float, int]]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self):
+    def sample(self):
         import psutil
 
-        while not self._stop.wait(0.2):
-            now = time.time()
-            for pid in self.driver_node_pids():
-                try:
-                    self.driver_node[pid] = max(self.driver_node.get(pid, 0), psutil.Process(pid).memory_info().rss)
-                except psutil.Error:
-                    pass
-            for pid in self.worker_pids():
-                try:
-                    self.workers.setdefault(pid, []).append((now, psutil.Process(pid).memory_info().rss))
-                except psutil.Error:
-                    pass
+        now = time.time()
+        for pid in self.driver_node_pids():
+            try:
+                self.driver_node[pid] = max(self.driver_node.get(pid, 0), psutil.Process(pid).memory_info().rss)
+            except psutil.Error:
+                pass
+        for pid in self.worker_pids():
+            try:
+                self.workers.setdefault(pid, []).append((now, psutil.Process(pid).memory_info().rss))
+            except psutil.Error:
+                pass
 
 
 def airay_run(d_model: int, work: Path) -> dict:

@@ -147,7 +147,25 @@ def render_overhead(ovh: dict) -> list[str]:
             "over their logs.", "",
             "| | samples/s (median) | spread | ratio |", "| --- | --- | --- | --- |",
             f"| plain DeepSpeed (baseline) | {med['plain']:.1f} | {_spread(ovh['plain'], 1)} | 1 |",
-            f"| airay | {med['airay']:.1f} | {_spread(ovh['airay'], 1)} | {ratio} |"]
+            f"| airay | {med['airay']:.1f} | {_spread(ovh['airay'], 1)} | {ratio} |"] + overhead_attribution(med)
+
+
+def overhead_attribution(med: dict) -> list[str]:
+    """Where the gap goes: the round boundary and each side's cores by kind of process."""
+    lines = []
+    if "round_gap" in med:
+        g = med["round_gap"]
+        lines += ["", f"Round boundary: a step inside a round {g['step_s'] * 1e3:.1f} ms, a round's first step "
+                  f"{g['first_step_s'] * 1e3:.1f} ms (the driver gathers the round and launches the next): "
+                  f"**{g['share']:.1%}** of airay's steady state."]
+    if "cores" in med:
+        kinds = ("ranks", "driver", "stores", "ray", "other")
+        lines += ["", "Cores used in the steady state (median over the runs; training ranks, this benchmark's "
+                  "process (airay's driver runs in it), airay's checkpoint stores, Ray's daemons, the rest):", "",
+                  "| | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * len(kinds)]
+        for side in ("plain", "airay"):
+            lines.append(f"| {side} | " + " | ".join(f"{med['cores'][side][k]:.3f}" for k in kinds) + " |")
+    return lines
 
 
 def render_startup(st: dict) -> list[str]:
@@ -171,6 +189,13 @@ def render_startup(st: dict) -> list[str]:
     if "ray_train" in med:
         rt = med["ray_train"]["total"] / med["airay"]["total"]
         lines += ["", f"Ray Train / airay: **{rt:.2f}x** (target > 1: {_met(rt > 1)})."]
+    if "floor" in st:
+        f = st["floor"]
+        lines += ["", f"Floor: one cold worker process spends **{f['worker_cpu_s']:.2f} CPU-s** importing torch, "
+                  "DeepSpeed, Ray and airay's worker and building its first engine (mostly imports, the engine's "
+                  f"lazy ones included) and one step; {f['workers']} such processes on {f['cores']} cores take at "
+                  f"least **{f['wall_floor_s']:.1f} s** of wall, whoever starts them, before Ray's own start "
+                  "(cluster, daemons) is counted."]
     return lines
 
 
@@ -558,8 +583,14 @@ def readme_overhead(results: dict) -> list[str]:
         return [head + f"median pair ratio **{o['median']['ratio']:.3f}** with no interval (the pairs spread from "
                 f"{min(o['ratios']):.2f} to {max(o['ratios']):.2f}: too few to resolve the 0.97 target)."]
     lo, hi = o["median"]["ci95"]
-    return [head + f"ratio **{o['median']['ratio']:.3f}**, 95% confidence interval [{lo:.3f}, {hi:.3f}] "
-            f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)})."]
+    out = head + (f"ratio **{o['median']['ratio']:.3f}**, 95% confidence interval [{lo:.3f}, {hi:.3f}] "
+                  f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)}).")
+    if "round_gap" in o["median"]:
+        c = o["median"]["cores"]
+        out += (f" Of the gap, the round boundary (the driver gathering a round and launching the next) costs "
+                f"{o['median']['round_gap']['share']:.1%}; the training ranks got {c['airay']['ranks']:.3f} cores "
+                f"under airay against {c['plain']['ranks']:.3f} plain.")
+    return [out]
 
 
 def readme_startup(results: dict) -> list[str]:
@@ -574,6 +605,10 @@ def readme_startup(results: dict) -> list[str]:
     if "baseline" in med:
         out[-1] += f"; airay before the start-up work {med['baseline']['total']:.1f} s"
     out[-1] += "."
+    if "floor" in s["result"]:
+        f = s["result"]["floor"]
+        out[-1] += (f" Floor: one cold worker's imports, first engine and step take {f['worker_cpu_s']:.1f} CPU-s; "
+                    f"{f['workers']} of them on {f['cores']} cores at least {f['wall_floor_s']:.1f} s of wall.")
     return out
 
 

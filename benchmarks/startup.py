@@ -19,6 +19,10 @@ Each launch is a fresh process, timed from just before it is spawned; the sides 
              runs one step. Parts: driver (imports), cluster, trainer (fit() -> the slowest worker
              enters the loop: controller, worker group, torch process group), engine, first step.
   --baseline REF  also airay at git REF (a worktree), measured from outside only: the "before".
+  floor      the CPU one cold worker spends before it can train (a fresh process: import torch,
+             DeepSpeed, Ray and airay's worker, build a one-rank engine of the job, one step),
+             times 4 workers over this machine's cores: wall time no start-up of 4 fresh worker
+             processes can go below here, whoever starts them (Ray's own daemons not counted).
 
 Usage: python benchmarks/startup.py [--repeats 3] [--baseline REF] [--json F]
 """
@@ -174,6 +178,37 @@ def run_ray_train(tmp: Path) -> dict[str, float]:
     return parts
 
 
+# ---- the floor: one cold worker's CPU ------------------------------------------------------------
+
+def cpu_child(spec_path: str) -> None:
+    """A fresh process doing one worker's start-up work; prints its CPU seconds (and its children's)."""
+    import resource
+
+    import deepspeed  # noqa: F401
+    import ray  # noqa: F401
+    import torch  # noqa: F401
+
+    import airay.worker.actor  # noqa: F401
+    from airay.config import JobConfig
+    from airay.worker.dist import free_port
+
+    cfg = JobConfig.from_dict(yaml.safe_load(Path(spec_path).read_text()))
+    engine, plan, loss_fn, data = plain_job(cfg, rank=0, world=1, port=free_port())
+    train_step(engine, loss_fn, data, 0, 0, plan)
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(json.dumps({"cpu_s": own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime}))
+
+
+def worker_cpu(tmp: Path) -> float:
+    spec = tmp / f"job-{time.time_ns()}.yaml"
+    spec.write_text(yaml.safe_dump(job_spec(tmp / "unused")))
+    proc = subprocess.run([sys.executable, __file__, "--cpu-child", str(spec)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the cold-worker process failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["cpu_s"]
+
+
 # ---- the comparison --------------------------------------------------------------------------------
 
 def worktree(ref: str, tmp: Path) -> Path:
@@ -194,9 +229,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json")
     p.add_argument("--ray-train-child", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--cpu-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ray_train_child:
         ray_train_child(args.ray_train_child, args.spec)
+        return {}
+    if args.cpu_child:
+        cpu_child(args.cpu_child)
         return {}
 
     runs: dict[str, list[dict[str, float]]] = {"airay": [], "ray_train": [], "baseline": []}
@@ -212,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
                     runs["baseline"].append(run_airay(tmp, src))
                 print(f"repeat {i}: " + ", ".join(f"{side} {r[-1]['total']:.1f} s" for side, r in runs.items() if r),
                       flush=True)
+            cpu = [worker_cpu(tmp) for _ in range(args.repeats)]
         finally:
             if src is not None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(src)], cwd=ROOT, capture_output=True)
@@ -226,7 +266,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"speed-up {med['baseline']['total'] / med['airay']['total']:.2f}x (target >= 2)")
     if "ray_train" in med:
         print(f"  Ray Train / airay: {med['ray_train']['total'] / med['airay']['total']:.2f}x (target > 1)")
-    out = {"args": vars(args), "runs": runs, "median": med}
+    cores = os.cpu_count() or 1
+    floor = {"worker_cpu_s": statistics.median(cpu), "runs": cpu, "workers": WORKERS, "cores": cores,
+             "wall_floor_s": WORKERS * statistics.median(cpu) / min(cores, WORKERS)}
+    print(f"  floor: one cold worker's imports, first engine and step take {floor['worker_cpu_s']:.2f} CPU-s; "
+          f"{WORKERS} workers on {cores} cores >= {floor['wall_floor_s']:.1f} s of wall")
+    out = {"args": vars(args), "runs": runs, "median": med, "floor": floor}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return out

@@ -171,3 +171,15 @@ def test_chaos_points_and_storage_faults_are_checked_before_any_actor_starts():
         JobConfig.from_dict({**base, "checkpoint": {"path": "s3://bucket/x"},
                              "chaos": [{"fault": "break_storage", "at_step": 5}]})
     assert JobConfig.from_dict(base).health.max_driver_restarts == 3  # supervised by default
+
+
+def test_the_supervisor_reads_only_its_fields_and_bad_ones_get_the_specs_own_error():
+    from airay.config import supervision
+
+    # No model code is imported for this: the driver checks the rest (exit 2 on bad input).
+    run_dir, restarts = supervision({"name": "x", "model": {"factory": "no.such:thing"}, "run_dir": "runs/a"}, "s.yaml")
+    assert (str(run_dir), restarts) == ("runs/a", 3)
+    run_dir, restarts = supervision({"name": "job", "health": {"max_driver_restarts": 0}}, "s.yaml")
+    assert run_dir.parent.name == "runs" and run_dir.name.startswith("job-") and restarts == 0
+    with pytest.raises(ConfigError, match=r"health.max_driver_restarts: Input should be greater than or equal to 0"):
+        supervision({**demo_dict(), "health": {"max_driver_restarts": -1}}, "s.yaml")

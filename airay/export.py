@@ -78,13 +78,18 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32
 
 
 def build_fp32(factory: str, model_kwargs: dict[str, Any], seed: int = 0):
-    """The spec's model in fp32, checked to be one `save_pretrained` can write."""
+    """The spec's model in fp32, checked to be one `save_pretrained` can write. airay's own
+    factory's is built empty (on the meta device, airay.models.hf.build_empty): the checkpoint's
+    weights are assigned to it, so export holds the model once, not a random init beside it."""
     from transformers import PreTrainedModel
 
     from airay.config import resolve_callable
+    from airay.models import hf
 
-    kwargs = {**model_kwargs, "dtype": "float32"} if factory == HF_FACTORY else model_kwargs
-    model = resolve_callable(factory)(seed=seed, **kwargs)
+    if factory == HF_FACTORY:
+        model = hf.build_empty(**model_kwargs)
+    else:
+        model = resolve_callable(factory)(seed=seed, **model_kwargs)
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"model.factory {factory} builds a {type(model).__name__}, not a transformers "
                          f"PreTrainedModel: a Hugging Face folder holds transformers models only (use {HF_FACTORY}, "
@@ -101,11 +106,15 @@ def export_step(step_dir: str | Path, out_dir: str | Path, factory: str, model_k
     step_dir = Path(step_dir)
     model = build_fp32(factory, model_kwargs, seed)
     state = consolidated_state(step_dir)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    persistent = set(model.state_dict())  # what save_pretrained writes
-    if unexpected or set(missing) & persistent:
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # assigning replaced the parameters: tie them again where the config ties them
+    # What save_pretrained writes must be the checkpoint's tensors (a tied one shares a loaded
+    # tensor): anything else is still empty (meta) or a fresh init.
+    loaded = {t.data_ptr() for t in state.values()}
+    missing = sorted(k for k, t in model.state_dict().items() if t.data_ptr() not in loaded)
+    if unexpected or missing:
         raise ValueError(f"{step_dir}: the checkpoint does not match the spec's model: missing "
-                         f"{sorted(set(missing) & persistent)[:5]}, unexpected {sorted(unexpected)[:5]}")
+                         f"{missing[:5]}, unexpected {sorted(unexpected)[:5]}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.to(getattr(torch, dtype)).save_pretrained(out)

@@ -141,3 +141,27 @@ def test_bf16_mixed_precision_trains_through_a_kill_and_exports_fp32_master_weig
     out = export_hf(f"{result.run_dir}/checkpoints/step_00000008", tmp_path / "hf", dtype="bfloat16")
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).eval()
     assert step_loss(model, 8) == pytest.approx(losses[8], rel=1e-2)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_export_assigns_the_checkpoints_tensors_ties_them_and_names_what_is_missing(tmp_path, tied, monkeypatch):
+    """Export builds the model empty (meta) and assigns the consolidated state to it. The shard
+    reader is replaced by a state in memory (the cluster test above reads real shards): a tied
+    lm_head held once comes back tied, the folder computes the model's logits, a missing tensor
+    is named."""
+    from transformers import AutoModelForCausalLM
+
+    from airay import export
+
+    cfg = {**LLAMA, "tie_word_embeddings": tied}
+    model = hf.build(seed=3, config=cfg).eval()
+    state = {k: v.clone() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    monkeypatch.setattr(export, "consolidated_state", lambda step_dir: state)
+    out = export.export_step(tmp_path / "step", tmp_path / "hf", export.HF_FACTORY, {"config": cfg})
+    back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ids = torch.arange(16).view(1, 16)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
+    del state["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+        export.export_step(tmp_path / "step", tmp_path / "hf2", export.HF_FACTORY, {"config": cfg})

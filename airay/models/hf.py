@@ -59,14 +59,31 @@ def build(seed: int = 0, config: dict[str, Any] | None = None, pretrained: str |
     """A transformers causal LM: from `config` (random init from `seed`) or `pretrained`.
     `tokenizer`: the folder of the tokenizer the data was made with; not used to train, written
     beside the weights by `airay export`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype)
     if pretrained is not None:
         return AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True, dtype=torch_dtype)
-    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    return AutoModelForCausalLM.from_config(config_of(config=config), dtype=torch_dtype)
+
+
+def build_empty(config: dict[str, Any] | None = None, pretrained: str | None = None, **_):
+    """The model's architecture in fp32 on the meta device: no memory for weights, none read.
+    For export, whose weights come from the checkpoint: one copy of the model in memory, not two."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config_of(config, pretrained), dtype=torch.float32)
+
+
+def config_of(config: dict[str, Any] | None = None, pretrained: str | None = None):
+    """The transformers config of `build`'s kwargs: the mapping's, or the pretrained folder's."""
+    from transformers import AutoConfig
+
+    if pretrained is not None:
+        return AutoConfig.from_pretrained(pretrained, local_files_only=True)
+    return AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
 
 
 def labels_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -39,7 +39,10 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
     assert [r[0] for r in rows] == ["| 64"]
     for r in rows:
-        assert all(float(c.strip(" |M")) > 0 for c in r[2:]), r
+        # The worker-RSS-to-footprint cell may be "-": a run this short can save before its
+        # workers are first sampled (benchmarks/checkpoint.py says so); every other cell is measured.
+        assert r[4].strip() == "-" or float(r[4]) > 0, r
+        assert all(float(c.strip(" |M")) > 0 for i, c in enumerate(r) if i >= 2 and i != 4), r
     # Start-up: `airay run` to the first step, in parts that add up to the total.
     startup = next(line.split(" | ") for line in text.splitlines() if line.startswith("| airay | ")
                    and "driver" in line)

@@ -44,6 +44,19 @@ def round_faults(chaos: list, fired: set[int], start: int, end: int, world: int)
     return out
 
 
+def quiet(chaos: list, fired: set[int], start: int, end: int) -> bool:
+    """True when no fault can act on the steps [start, end): none still to fire at or before
+    them (at any point: step, data, form, save, load), and no slow_worker's slow steps among
+    them. The driver launches a round ahead of the one running only through quiet steps, so a
+    fault always finds the round boundary it was scheduled at."""
+    for i, c in enumerate(chaos):
+        if i not in fired and c.at_step < end:
+            return False
+        if c.fault == "slow_worker" and c.at_step < end and start < c.at_step + c.steps:
+            return False
+    return True
+
+
 def strike(fault: dict[str, Any], step: int, rank: int) -> None:
     """Carry out a step fault in this worker process, inside the step."""
     kind = fault["fault"]

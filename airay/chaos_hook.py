@@ -45,6 +45,10 @@ class ChaosHook:
         return [c.at_step for i, c in enumerate(self.specs)
                 if i not in self.fired and c.fault not in DATA_FAULTS and c.during == "step"]
 
+    def quiet(self, start: int, end: int) -> bool:
+        """No fault acts on the steps [start, end) (airay.chaos.quiet)."""
+        return chaos.quiet(self.specs, self.fired, start, end)
+
     # ---- named points ----------------------------------------------------------------------
 
     def round(self, step: int, end: int, group, ckpt) -> tuple[dict[int, dict[int, dict]], Any, bool]:

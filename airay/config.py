@@ -353,6 +353,9 @@ class JobConfig(_Spec):
     seed: int = 0
     max_failures: int = Field(20, ge=0, description="failures tolerated within health.failure_window_s")
     steps_per_round: int = Field(5, ge=1, description="steps a worker runs per driver call")
+    pipeline_rounds: bool = Field(
+        True, description="queue the next round on the workers while one runs, when the driver has nothing to do "
+        "between them (no checkpoint, resize, growth or chaos): a rank goes on without waiting for the driver")
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     chaos: list[ChaosSpec] = Field(default_factory=list)

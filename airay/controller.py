@@ -24,7 +24,7 @@ from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.data.pipeline import DataLog, Feeder, Stream
 from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
-    summarize_failures
+    merge_pipelined, summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.telemetry import Telemetry, eta_s, progress_line
 from airay.worker_group import WorkerGroup
@@ -66,6 +66,17 @@ class Result:
     time_lost_s: dict[str, float] = field(default_factory=dict)  # per cause, see airay.goodput.CAUSES
     durable_step: int | None = None  # the newest step committed to durable storage
     traceback: str | None = None  # where the driver failed, when it was not a decision of the run
+
+
+@dataclass
+class _Round:
+    """A round of steps [start, end) launched on every rank; `refs`: its calls."""
+
+    start: int
+    end: int
+    refs: list
+    t_launch: float
+    struck: bool  # our chaos strikes in it (detection_s is measured from t_launch)
 
 
 @dataclass
@@ -123,6 +134,12 @@ class Controller:
         self.telemetry = Telemetry(config.name, recorder.run_dir)
         self._last_round_end: float | None = None  # for the ETA: the pace of the last round
         self.preempt_deadline: float | None = None  # set by SIGTERM (request_preemption)
+        # Pipelined rounds: the round queued on the ranks behind the one being gathered, if any.
+        # Whatever the driver must do between two rounds (grow, preempt, release preempted
+        # ranks) waits until no round is in flight.
+        self.inflight: _Round | None = None
+        self.grow_wanted = False  # capacity is ready, the round in flight is gathered first
+        self.preempted_seen = False  # ranks got SIGTERM; the round in flight is gathered first
         # Chaos at the named points (airay.chaos_hook); faults an earlier driver of this run
         # directory injected (it was killed and restarted) are not injected again.
         self.earlier_events = read_jsonl(recorder.run_dir / "events.jsonl")  # of earlier drivers of this run dir
@@ -236,38 +253,83 @@ class Controller:
 
     def _running(self) -> State:
         if self.step >= self.cfg.max_steps:
-            return self._finish()
-        if self.preempt_deadline is not None:
-            return self._preempt()
+            return self._finish()  # no round is ever launched past max_steps: none is in flight
         self.ckpt.poll()
         self._check_checkpoints()
-        if self.step % self.cfg.timeouts.grow_check_every_n_steps == 0 and self._can_grow():
-            return State.GROWING
-        # Data faults strike whatever round holds their step: the round is re-run from its start.
-        end = policy.next_round_end(self.step, self.cfg.max_steps, self.cfg.steps_per_round,
-                                    self.cfg.checkpoint.interval, self.chaos.round_starts())
-        if self.pending_resize is not None:
-            end = self.step + 1  # one step, so recovery_s ends at the first step of the new world
-        faults, after_launch, struck = self.chaos.round(self.step, end, self.group, self.ckpt)
-        feed = self.feeder.steps(self.step, end, extra=self.cfg.data.prefetch_steps,
-                                 timeout_s=self.cfg.data.pipeline_timeout_s) if self.feeder else None
-        struck = self.chaos.feed(feed, self.step, end, self.group, self.plans) or struck
-        t_launch = time.time()
-        outcomes, values = self.group.train(self.step, end, faults, after_launch,
-                                            hang_timeout_s=self.cfg.timeouts.hang_timeout_s, feed=feed)
-        if not self._ok(outcomes, fault_ts=t_launch if struck else None):
+        every = self.cfg.timeouts.grow_check_every_n_steps
+        grow = (self.step % every == 0 or self.grow_wanted) and self._can_grow()
+        if self.inflight is None:
+            self.grow_wanted = False
+            if self.preempt_deadline is not None:
+                return self._preempt()
+            if grow:
+                return State.GROWING
+            current = self._launch_round(self.step)
+        else:
+            current, self.inflight = self.inflight, None
+            self.grow_wanted = grow
+        if not (grow or self.preempt_deadline is not None or self.preempted_seen) and self._may_pipeline(current):
+            self.inflight = self._launch_round(current.end)
+        outcomes, values = self.group.collect(current.refs, hang_timeout_s=self.cfg.timeouts.hang_timeout_s)
+        if not self._round_ok(outcomes, current):
             return State.RECOVERING
-        self._check_stragglers(self.step, values)
-        self._record_steps(self.step, end, values)
-        self.step = end
+        self._check_stragglers(current.start, values)
+        self._record_steps(current.start, current.end, values)
+        self.step = current.end
         if self.step % self.cfg.checkpoint.interval == 0 or self.step == self.cfg.max_steps:
+            # (never with a round in flight: policy.can_pipeline)
             if not self._checkpoint():
                 return State.RECOVERING
             self._check_checkpoints()
         preempted = [rank for rank, v in enumerate(values) if v and v[-1].get("preempted")]
         if preempted:
+            if self.inflight is not None:
+                self.preempted_seen = True  # they run the queued round too; released after it
+                return State.RUNNING
+            self.preempted_seen = False
             return self._release_preempted(preempted)
         return State.RUNNING
+
+    def _launch_round(self, start: int) -> _Round:
+        """Launch the next round from `start`. Data faults strike whatever round holds their
+        step: the round is re-run from its start."""
+        end = policy.next_round_end(start, self.cfg.max_steps, self.cfg.steps_per_round,
+                                    self.cfg.checkpoint.interval, self.chaos.round_starts())
+        if self.pending_resize is not None:
+            end = start + 1  # one step, so recovery_s ends at the first step of the new world
+        faults, after_launch, struck = self.chaos.round(start, end, self.group, self.ckpt)
+        feed = self.feeder.steps(start, end, extra=self.cfg.data.prefetch_steps,
+                                 timeout_s=self.cfg.data.pipeline_timeout_s) if self.feeder else None
+        struck = self.chaos.feed(feed, start, end, self.group, self.plans) or struck
+        t_launch = time.time()
+        refs = self.group.launch(start, end, faults, feed)
+        if after_launch is not None:
+            after_launch()
+        return _Round(start, end, refs, t_launch, struck)
+
+    def _may_pipeline(self, current: _Round) -> bool:
+        """Whether the round after `current` may be queued now, before `current` is gathered:
+        the driver has nothing to do at its end (no checkpoint, no resize to time, no fault)."""
+        if not self.cfg.pipeline_rounds or self.pending_resize is not None or current.struck:
+            return False
+        if not policy.can_pipeline(current.end, self.cfg.max_steps, self.cfg.checkpoint.interval):
+            return False
+        after = policy.next_round_end(current.end, self.cfg.max_steps, self.cfg.steps_per_round,
+                                      self.cfg.checkpoint.interval, self.chaos.round_starts())
+        return self.chaos.quiet(current.start, after)
+
+    def _round_ok(self, outcomes: list[RankOutcome], current: _Round) -> bool:
+        """_ok for a round; when it failed with the next round queued behind it, that round is
+        settled first (woken, waited for) and what it lost is lost too (merge_pipelined)."""
+        if self.inflight is not None and classify_round(outcomes).kind != "ok":
+            queued, self.inflight = self.inflight, None
+            refs = [None if o.infra else ref for o, ref in zip(outcomes, queued.refs)]
+            behind = self.group.settle(refs)
+            merged = merge_pipelined(outcomes, behind)
+            self.rec.event("queued_round_dropped", step=queued.start, end=queued.end,
+                           lost_ranks=[o.rank for o, m in zip(outcomes, merged) if m is not o])
+            outcomes = merged
+        return self._ok(outcomes, fault_ts=current.t_launch if current.struck else None)
 
     def _release_preempted(self, ranks: list[int]) -> State:
         """Ranks got SIGTERM (their node is being reclaimed): checkpoint this step (memory tier

@@ -88,6 +88,14 @@ def classify_round(outcomes: list[RankOutcome]) -> RoundVerdict:
     return RoundVerdict("comm_error", message=f"rank {first.rank}: {first.error}", outcomes=tuple(outcomes))
 
 
+def merge_pipelined(failed: list[RankOutcome], behind: list[RankOutcome | None]) -> list[RankOutcome]:
+    """Outcomes of a failed round whose ranks had the next round queued behind it (`behind`:
+    that round's outcomes, None for a rank not waited for). The queued round could not finish
+    (a peer is gone), so its errors are collateral; but a rank that died, hung, went silent or
+    ran out of memory in it is lost as surely as in the round itself."""
+    return [b if b is not None and b.infra and not o.infra else o for o, b in zip(failed, behind)]
+
+
 # ---- hangs ------------------------------------------------------------------------------------
 
 # A rank's progress inside a round, as its heartbeat reports it: (step, micro-batch, phase).

@@ -165,6 +165,12 @@ def next_round_end(step: int, max_steps: int, steps_per_round: int, every_n_step
     return end
 
 
+def can_pipeline(end: int, max_steps: int, every_n_steps: int) -> bool:
+    """Whether the round after one that ends at `end` may be launched before that one is
+    gathered: not when the driver has work at `end` (a checkpoint, the run's end)."""
+    return end < max_steps and end % every_n_steps != 0
+
+
 # ---- failure budget and bad nodes -------------------------------------------------------------
 
 

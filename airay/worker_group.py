@@ -333,10 +333,31 @@ class WorkerGroup:
               after_launch: Callable[[], None] | None = None,
               hang_timeout_s: float | None = None,
               feed: dict[int, list] | None = None) -> tuple[list[RankOutcome], list]:
-        refs = [m.actor.train.remote(start, end, faults.get(rank), feed) for rank, m in enumerate(self.active)]
+        refs = self.launch(start, end, faults, feed)
         if after_launch is not None:
             after_launch()
+        return self.collect(refs, hang_timeout_s)
+
+    def launch(self, start: int, end: int, faults: dict[int, dict[int, dict]],
+               feed: dict[int, list] | None = None) -> list:
+        """Queue the round [start, end) on every rank; returns the calls' refs. A rank runs its
+        training calls one at a time, in order: a round launched while another runs starts the
+        moment that one ends (the controller's pipelined rounds)."""
+        return [m.actor.train.remote(start, end, faults.get(rank), feed) for rank, m in enumerate(self.active)]
+
+    def collect(self, refs: list, hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
+        """Wait for a launched round: its outcomes and each rank's step records."""
         return self._gather(refs, hang_timeout_s)
+
+    def settle(self, refs: list) -> list[RankOutcome | None]:
+        """A round queued behind one that failed cannot finish (a peer is gone): wake its ranks
+        (abort_world) and wait for them, at most drain_s. None for a rank whose ref is None (it
+        was lost in the failed round: not waited for)."""
+        live = [ref for ref in refs if ref is not None]
+        if not live:
+            return [None] * len(refs)
+        outcomes, _ = self._gather(refs, broken=True)
+        return [o if ref is not None else None for o, ref in zip(outcomes, refs)]
 
     def save(self, step: int, data_position: dict | None = None,
              faults: dict[int, dict] | None = None) -> tuple[list[RankOutcome], list]:
@@ -388,19 +409,27 @@ class WorkerGroup:
         return outcomes, [{**v, **(lv or {})} for v, lv in zip(values, loaded)]
 
     def _gather(self, refs: list, hang_timeout_s: float | None = None,
-                collective: bool = True, abort_port: int | None = None) -> tuple[list[RankOutcome], list]:
+                collective: bool = True, abort_port: int | None = None,
+                broken: bool = False) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
         (their collectives fail fast when a peer's sockets close: a `collective` call's failure
         wakes them with abort_world; a call that uses no collective leaves the world alone);
         ranks still silent then are counted as lost (`abort_port`: the rendezvous of a world still
         forming, whose store connections are shut down instead). With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
         that makes no progress that long (airay.health.find_hung) is killed as hung."""
-        by_ref = {ref: rank for rank, ref in enumerate(refs)}
-        outcomes: dict[int, RankOutcome] = {}
+        by_ref = {ref: rank for rank, ref in enumerate(refs) if ref is not None}
+        outcomes: dict[int, RankOutcome] = {r: RankOutcome(r, "ok") for r, ref in enumerate(refs) if ref is None}
         values: list = [None] * len(refs)
         deadline = None
         watch = _HangWatch(len(refs), hang_timeout_s) if hang_timeout_s else None
-        self.hangs = []
+        if broken:
+            # `broken`: the calls' world already failed (settle). Wake them now; this failure was
+            # detected and its hangs described by the gather that saw it: those stay as they are.
+            deadline, watch = time.time() + self.drain_s, None
+            for ref, rank in by_ref.items():
+                self.active[rank].actor.abort_world.remote(abort_port)
+        else:
+            self.hangs = []
         while by_ref:
             timeout = (watch.poll_s if watch else 1.0) if deadline is None else max(0.0, deadline - time.time())
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)

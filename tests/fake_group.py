@@ -80,6 +80,8 @@ class FakeGroup:
         self._ids = itertools.count()
         self.plan: BatchPlan | None = None
         self.memory: dict[int, Manifest] = {}
+        self.launched: list[tuple[int, int]] = []  # every round launched, in order
+        self.settled: list[list] = []  # refs of rounds queued behind a failed one
 
     # ---- the cluster -------------------------------------------------------------------------
 
@@ -160,6 +162,22 @@ class FakeGroup:
         self.active, self.standby = world_members(self.active, self.standby, world_size)
         self.plan = plan
         return self._outcomes("form", world_size), {}
+
+    def launch(self, start, end, faults, feed=None):
+        """A round's calls, one per rank: played (their script consulted) when collected."""
+        self.launched.append((start, end))
+        self.calls.append(("launch", (start, end)))
+        return [FakeRef((start, end)) for _ in self.active]
+
+    def collect(self, refs, hang_timeout_s=None):
+        start, end = refs[0].value
+        return self.train(start, end, {})
+
+    def settle(self, refs):
+        """A round queued behind a failed one: every rank waited for failed too (collateral)."""
+        self.settled.append(refs)
+        return [None if ref is None else RankOutcome(r, "errored", error="in no world", cause="RuntimeError")
+                for r, ref in enumerate(refs)]
 
     def train(self, start, end, faults, after_launch=None, hang_timeout_s=None, feed=None):
         world = len(self.active)

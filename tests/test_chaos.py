@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from airay.chaos import damage_checkpoint, round_faults, spoil_rows
+from airay.chaos import damage_checkpoint, quiet, round_faults, spoil_rows
 from airay.config import ChaosSpec
 
 
@@ -22,6 +22,18 @@ def test_round_faults_one_shot_and_slow_steps():
     assert 3 not in out  # rank 3 is outside a world of 3
     assert 1 not in round_faults(chaos, {0}, 4, 9, world=3)  # already fired
     assert round_faults(chaos, set(), 5, 9, world=4).keys() == {2}
+
+
+def test_rounds_are_quiet_only_when_no_fault_can_act_on_them():
+    chaos = specs({"fault": "kill_worker", "at_step": 12, "rank": 1},
+                  {"fault": "slow_worker", "at_step": 3, "rank": 2, "steps": 3},
+                  {"fault": "kill_worker", "at_step": 2, "rank": 0, "during": "save"})
+    assert not quiet(chaos, {1, 2}, 4, 9)  # slow steps 3..5 (fired at 3)
+    assert quiet(chaos, {1, 2}, 6, 12)  # after the slow steps, before the kill at 12
+    assert not quiet(chaos, {1, 2}, 6, 13)  # the kill at 12 is still to fire
+    assert quiet(chaos, {0, 1, 2}, 13, 20)  # it fired
+    assert not quiet(chaos, {0, 1}, 13, 20)  # the save-time kill waits for a save past step 2
+    assert quiet([], set(), 0, 100)
 
 
 def test_exhaust_memory_raises_memory_error_within_its_cap():

@@ -38,6 +38,33 @@ def test_a_fault_free_run_trains_every_step_once_and_ends_durable(tmp_path):
     assert result.durable_step == STEPS and result.restarts == 0
 
 
+def test_rounds_between_checkpoints_are_queued_before_the_one_running_is_gathered(tmp_path):
+    ctl, factory = controller(tmp_path, checkpoint={"every_n_steps": 10})
+    result = ctl.run()
+    assert result.status == "finished" and ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+    calls = [c for c in factory.made[0].calls if c[0] in ("launch", "train")]
+    # [5, 10) is queued while [0, 5) runs; the checkpoint at 10 waits for a gathered round.
+    assert calls == [("launch", (0, 5)), ("launch", (5, 10)), ("train", 1), ("train", 2),
+                     ("launch", (10, 15)), ("launch", (15, 20)), ("train", 3), ("train", 4)]
+    unpipelined, _ = controller(tmp_path / "off", checkpoint={"every_n_steps": 10}, pipeline_rounds=False)
+    assert unpipelined.run().status == "finished"
+    assert [c[0] for c in unpipelined.group.calls if c[0] in ("launch", "train")] == ["launch", "train"] * 4
+
+
+def test_a_death_with_a_round_queued_behind_settles_it_and_recovers(tmp_path):
+    # Round 3 is [10, 15), with [15, 20) queued behind it: rank 1 dies in it.
+    ctl, factory = controller(tmp_path, {"train": {3: {1: "died"}}}, checkpoint={"every_n_steps": 10})
+    result = ctl.run()
+    assert result.status == "finished" and result.restarts == 1
+    group = factory.made[0]
+    (settled,) = group.settled  # the queued round: every rank but the dead one is woken and waited for
+    assert [ref is None for ref in settled] == [False, True, False, False]
+    (failed,) = events(ctl, "worker_failed")
+    assert (failed["rank"], failed["step"], failed["phase"]) == (1, 10, "round")
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+    assert [e["step"] for e in events(ctl, "checkpoint_loaded")] == [10]
+
+
 def test_a_death_during_form_is_a_recovery_and_the_world_regrows(tmp_path):
     # The first world's join loses rank 2: drop it, form 3; its replacement joins at the next grow.
     ctl, factory = controller(tmp_path, {"form": {1: {2: "died"}}}, ready_after=[0, 0, 0, 0, 2])

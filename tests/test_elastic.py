@@ -10,6 +10,11 @@ while a wrong sample, a lost optimizer moment or a skipped LR step moves the los
 """
 
 import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -86,22 +91,49 @@ def baselines(tmp_path_factory):
     return out
 
 
+def kill_after(run_dir: Path, step: int, rank: int) -> threading.Thread:
+    """SIGKILL rank `rank`'s process as soon as the metric of `step` is written: a crash from
+    outside, at no round boundary the driver chose (chaos strikes at a round's start)."""
+    def lines(name):
+        path = run_dir / name
+        return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+
+    def watch():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if any(m["step"] >= step for m in lines("metrics.jsonl")):
+                formed = [e for e in lines("events.jsonl") if e["type"] == "world_formed"]
+                os.kill(formed[0]["workers"][rank]["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, local_cluster, baselines, zero_stage=3):
     """ZeRO-3 (every parameter partitioned: the hardest state to reshard); ZeRO-2 shrinks and
-    regrows with equal losses in test_node_loss_then_node_added and tests/test_fault_matrix.py."""
+    regrows with equal losses in test_node_loss_then_node_added and tests/test_fault_matrix.py.
+    The kill comes from outside while rounds are pipelined (rounds of 2, checkpoints every 10):
+    the rank dies with the next round queued behind the one it runs."""
     local_cluster(nodes=4)
-    result = fit(spec(tmp_path, f"kill-z{zero_stage}", zero_stage,
-                      chaos=[{"fault": "kill_worker", "at_step": 7, "rank": 1}]), echo=False)
+    cfg = spec(tmp_path, f"kill-z{zero_stage}", zero_stage, steps_per_round=2, checkpoint={"every_n_steps": 10})
+    killer = kill_after(Path(cfg.run_dir), 13, rank=1)  # while steps 14-15 run, 16-17 queued or about to be
+    result = fit(cfg, echo=False)
+    killer.join(1)
     assert result.status == "finished" and result.final_step == 60
     assert result.world_sizes == [4, 3, 4]
-    failed = events(result, "worker_failed")
-    assert [(e["rank"], e["step"], e["outcome"]) for e in failed] == [(1, 7, "died")]
+    (failed,) = events(result, "worker_failed")
+    assert (failed["rank"], failed["outcome"]) == (1, "died") and failed["step"] in (14, 16)
+    (dropped,) = events(result, "queued_round_dropped")
+    assert (dropped["step"], dropped["end"], dropped["lost_ranks"]) == (failed["step"] + 2, failed["step"] + 4, [])
     shrink, grow = events(result, "resize_finished")
-    assert (shrink["old_world_size"], shrink["new_world_size"], shrink["resumed_step"]) == (4, 3, 5)
+    assert (shrink["old_world_size"], shrink["new_world_size"], shrink["resumed_step"]) == (4, 3, 10)
     assert shrink["recovery_s"] > 0 and shrink["reason"] == "failure"
     assert (grow["old_world_size"], grow["new_world_size"], grow["reason"]) == (3, 4, "grow")
     loaded = events(result, "checkpoint_loaded")
-    assert [(e["step"], e["saved_world_size"], e["world_size"]) for e in loaded][0] == (5, 4, 3)
+    assert [(e["step"], e["saved_world_size"], e["world_size"]) for e in loaded][0] == (10, 4, 3)
     assert loaded[1]["step"] == grow["resumed_step"] and loaded[1]["world_size"] == 4
     assert_same_losses(result, baselines[zero_stage])
     assert_released()

@@ -1,4 +1,5 @@
-from airay.health import Failure, RankOutcome, classify_round, find_hung, find_stragglers, position, summarize_failures
+from airay.health import Failure, RankOutcome, classify_round, find_hung, find_stragglers, merge_pipelined, position, \
+    summarize_failures
 
 
 def test_all_ok():
@@ -93,3 +94,15 @@ def test_a_block_that_cannot_be_fetched_is_a_data_failure_not_a_lost_rank():
     # A rank really lost in the same round is still replaced; a user bug still fails fast.
     assert classify_round([RankOutcome(0, "died"), data]).kind == "lost"
     assert classify_round([RankOutcome(0, "errored", "ValueError", user_error=True), data]).kind == "user_error"
+
+
+def test_a_round_queued_behind_a_failed_one_adds_only_its_lost_ranks():
+    failed = [RankOutcome(0, "errored", error="peer gone", cause="DistBackendError"), RankOutcome(1, "died"),
+              RankOutcome(2, "ok"), RankOutcome(3, "ok")]
+    # Rank 1 was not waited for; rank 2's queued round failed as collateral; rank 3 went silent in it.
+    behind = [RankOutcome(0, "errored", error="in no world", cause="RuntimeError"), None,
+              RankOutcome(2, "errored", error="peer gone", cause="DistBackendError"), RankOutcome(3, "silent")]
+    merged = merge_pipelined(failed, behind)
+    assert [o.kind for o in merged] == ["errored", "died", "ok", "silent"]
+    assert classify_round(merged).lost_ranks == (1, 3)
+    assert merge_pipelined(failed, [None] * 4) == failed

@@ -116,6 +116,13 @@ def test_rounds_stop_at_checkpoints_and_before_faults(step, faults, expected):
     assert policy.next_round_end(step, 20, 100, 10, []) == min(20, (step // 10 + 1) * 10)
 
 
+def test_a_round_is_pipelined_unless_the_driver_has_work_at_its_end():
+    assert policy.can_pipeline(5, 20, 10)
+    assert not policy.can_pipeline(10, 20, 10)  # a checkpoint at 10
+    assert not policy.can_pipeline(20, 20, 100)  # the run's end
+    assert [e for e in range(1, 20) if policy.can_pipeline(e, 20, 1)] == []  # a checkpoint every step
+
+
 def test_failure_budget_counts_a_sliding_window():
     from airay.policy import budget_exceeded, failures_in_window
 

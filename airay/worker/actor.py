@@ -418,6 +418,9 @@ class TrainWorker:
         `faults`: chaos, {step: fault} struck inside that step (airay.chaos).
         `feed`: a streamed dataset's pieces of these steps (and of a few after them, to prefetch).
         """
+        if self.engine is None:  # it left its world: the round this one was queued behind failed
+            raise RuntimeError(f"rank {self.rank} is in no world for steps {start}-{end - 1}: the round before "
+                               "them failed")
         out = []
         if feed:
             self.data.feed(feed, self.rank, self.plan)

@@ -44,9 +44,9 @@ DEMO = "airay run jobs/demo.yaml --run-dir"  # + a fresh directory
 
 FULL = {
     "recovery": ["--repeats", "3"],
-    # ~15 s of steady state per run: shorter windows (3 s) measured mostly noise (pairs 0.77-1.13).
-    # Pairs until the ratio's 95% interval is within +-3% (5 to 14 pairs), unpaced model.
-    "overhead": ["--steps", "200", "--warmup", "20", "--min-pairs", "5", "--max-pairs", "14"],
+    # Time-sliced: both sides up at once, taking 3 s turns (the other side paused); pairs of adjacent
+    # windows until the ratio's 95% interval is within +-1% (30 to 80 pairs), unpaced model.
+    "overhead": ["--window", "3", "--min-pairs", "30", "--max-pairs", "80", "--width", "0.01"],
     "decision": ["--workers", "4096", "--repeats", "21"],
     "raytrain": ["--repeats", "3", "--steps", "30", "--fault-step", "12"],
     # Long on purpose (20 min windows, 2 runs per side: ~90 min): start-up must be a realistic share.
@@ -60,7 +60,7 @@ SCRIPT: dict[str, str] = {}  # sections run by another section's script
 TIMEOUT_S = {"goodput": 3 * 3600}  # seconds a section may run (default 30 min)
 REDUCED = {
     "recovery": ["--repeats", "1"],
-    "overhead": ["--min-pairs", "1", "--max-pairs", "1", "--steps", "40", "--warmup", "20"],
+    "overhead": ["--min-pairs", "2", "--max-pairs", "2", "--window", "3"],
     "decision": ["--workers", "256", "--repeats", "3"],
     "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "12", "--fault-step", "7"],
     "checkpoint": ["--reduced"],
@@ -133,35 +133,43 @@ def render_recovery(rec: dict) -> list[str]:
 
 
 def render_overhead(ovh: dict) -> list[str]:
+    from benchmarks.overhead import interval_text
+
     med = ovh["median"]
     if "ci95" not in med:  # a run from before the interval was computed
         ratio = f"**{med['ratio']:.3f}** (median of pairs {_spread(ovh['ratios'])}; no interval; target ≥ 0.97)"
     else:
         lo, hi = med["ci95"]
-        ratio = (f"**{med['ratio']:.3f}**, 95% CI [{lo:.3f}, {hi:.3f}] over {med['pairs']} pairs "
+        ratio = (f"**{med['ratio']:.3f}**, 95% CI {interval_text(lo, hi)} over {med['pairs']} pairs "
                  f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)})")
+    sliced = "windows" in ovh
+    how = ("Both sides are started once and take turns: one trains for a window of "
+           f"{ovh['args']['window']:g} s while every process of the other is paused (SIGSTOP); a pair is two "
+           "adjacent windows, the order alternating" if sliced else "Interleaved pairs of whole runs, the order "
+           "alternating")
     return ["Steady-state samples/s, 2 workers, same model (no sleep: a step is CPU work), DeepSpeed config, "
             "batch plan and samples; the baseline is one process per rank with torch.distributed + "
-            "deepspeed.initialize (benchmarks/plain.py) and a bare step loop. Interleaved pairs, the order "
-            "alternating; the ratio is the geometric mean of the pairs' ratios, its interval Student's t "
-            "over their logs.", "",
+            "deepspeed.initialize (benchmarks/plain.py) and a bare step loop. " + how + "; the ratio is the "
+            "geometric mean of the pairs' ratios, its interval Student's t over their logs.", "",
             "| | samples/s (median) | spread | ratio |", "| --- | --- | --- | --- |",
             f"| plain DeepSpeed (baseline) | {med['plain']:.1f} | {_spread(ovh['plain'], 1)} | 1 |",
-            f"| airay | {med['airay']:.1f} | {_spread(ovh['airay'], 1)} | {ratio} |"] + overhead_attribution(med)
+            f"| airay | {med['airay']:.1f} | {_spread(ovh['airay'], 1)} | {ratio} |"] + overhead_attribution(ovh)
 
 
-def overhead_attribution(med: dict) -> list[str]:
+def overhead_attribution(ovh: dict) -> list[str]:
     """Where the gap goes: the round boundary and each side's cores by kind of process."""
-    lines = []
+    med, lines = ovh["median"], []
     if "round_gap" in med:
         g = med["round_gap"]
         lines += ["", f"Round boundary: a step inside a round {g['step_s'] * 1e3:.1f} ms, a round's first step "
-                  f"{g['first_step_s'] * 1e3:.1f} ms (the driver gathers the round and launches the next): "
+                  f"{g['first_step_s'] * 1e3:.1f} ms (" + ("a rank goes from one round's call to the next, queued "
+                  "behind it, while the driver gathers and records the round" if "windows" in ovh else
+                  "the driver gathers the round and launches the next") + "): "
                   f"**{g['share']:.1%}** of airay's steady state."]
     if "cores" in med:
         kinds = ("ranks", "driver", "stores", "ray", "other")
-        lines += ["", "Cores used in the steady state (median over the runs; training ranks, this benchmark's "
-                  "process (airay's driver runs in it), airay's checkpoint stores, Ray's daemons, the rest):", "",
+        lines += ["", "Cores used in the steady state (median over the windows; training ranks, airay's driver, "
+                  "airay's checkpoint stores, Ray's daemons, the rest, this benchmark's own process among it):", "",
                   "| | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * len(kinds)]
         for side in ("plain", "airay"):
             lines.append(f"| {side} | " + " | ".join(f"{med['cores'][side][k]:.3f}" for k in kinds) + " |")
@@ -572,22 +580,24 @@ def readme_checkpoint(results: dict) -> list[str]:
 
 
 def readme_overhead(results: dict) -> list[str]:
+    from benchmarks.overhead import interval_text
+
     s = results["overhead"]
     o = s["result"]
-    steps = _arg(s, "--steps") - _arg(s, "--warmup")
     head = (f"{_ran(s)}: steady-state samples/s under airay against plain DeepSpeed processes "
-            "(torch.distributed, no Ray) with the same model, config and samples, same world size (2), over "
-            f"{steps} steady-state steps per run, {len(o['ratios'])} interleaved pairs: plain "
+            "(torch.distributed, no Ray) with the same model, config and samples, same world size (2), both "
+            f"up at once and taking turns of {_arg(s, '--window'):g} s (the other side paused), "
+            f"{len(o['ratios'])} pairs of adjacent windows: plain "
             f"{o['median']['plain']:.1f} samples/s, airay {o['median']['airay']:.1f}, ")
     if "ci95" not in o["median"]:
         return [head + f"median pair ratio **{o['median']['ratio']:.3f}** with no interval (the pairs spread from "
                 f"{min(o['ratios']):.2f} to {max(o['ratios']):.2f}: too few to resolve the 0.97 target)."]
     lo, hi = o["median"]["ci95"]
-    out = head + (f"ratio **{o['median']['ratio']:.3f}**, 95% confidence interval [{lo:.3f}, {hi:.3f}] "
+    out = head + (f"ratio **{o['median']['ratio']:.3f}**, 95% confidence interval {interval_text(lo, hi)} "
                   f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)}).")
     if "round_gap" in o["median"]:
         c = o["median"]["cores"]
-        out += (f" Of the gap, the round boundary (the driver gathering a round and launching the next) costs "
+        out += (f" Of the gap, the round boundary (a rank going from one round's call to the next) costs "
                 f"{o['median']['round_gap']['share']:.1%}; the training ranks got {c['airay']['ranks']:.3f} cores "
                 f"under airay against {c['plain']['ranks']:.3f} plain.")
     return [out]

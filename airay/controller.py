@@ -350,6 +350,7 @@ class Controller:
     def _recovering(self) -> State:
         """Drop lost ranks, shrink to the survivors (or wait for min_workers), reload, go on."""
         verdict, group = self.verdict, self.group
+        self.preempted_seen = False  # a rank still under SIGTERM says so again in its next round
         if verdict.kind == "data_lost":
             return self._rerun_after_data_loss()
         self.restarts += 1

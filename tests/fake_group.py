@@ -82,6 +82,7 @@ class FakeGroup:
         self.memory: dict[int, Manifest] = {}
         self.launched: list[tuple[int, int]] = []  # every round launched, in order
         self.settled: list[list] = []  # refs of rounds queued behind a failed one
+        self.sigtermed: set[int] = set()  # workers (id) that got SIGTERM
 
     # ---- the cluster -------------------------------------------------------------------------
 
@@ -191,6 +192,12 @@ class FakeGroup:
             values.append([{"step": s, "loss_sum": step_loss(s) * (hi - lo), "step_time_s": 0.01,
                             "data_wait_s": 0.0, "checkpoint_wait_s": 0.0, "local_s": 0.005, "comm_s": 0.0,
                             "compute_s": 0.01, "tokens": 0, "end_ts": time.time()} for s in range(start, end)])
+            # {"sigterm": {n: [ranks]}}: those ranks' workers get SIGTERM in the nth train call; they
+            # report it at the end of every round from then on (a replacement is another worker).
+            if rank in self.script.get("sigterm", {}).get(self.counts["train"], ()):
+                self.sigtermed.add(id(self.active[rank]))
+            if id(self.active[rank]) in self.sigtermed:
+                values[-1][-1]["preempted"] = True
         return outcomes, values
 
     def save(self, step: int, data_position=None, faults=None):

@@ -65,6 +65,37 @@ def test_a_death_with_a_round_queued_behind_settles_it_and_recovers(tmp_path):
     assert [e["step"] for e in events(ctl, "checkpoint_loaded")] == [10]
 
 
+def test_a_rank_under_sigterm_with_a_round_queued_runs_it_then_goes_and_pipelining_resumes(tmp_path):
+    # Rank 2 reports SIGTERM at the end of [0, 5); [5, 10) is queued behind it: it runs that too,
+    # then the world checkpoints step 10 and shrinks without losing a step.
+    ctl, factory = controller(tmp_path, {"sigterm": {1: [2]}}, checkpoint={"every_n_steps": 10},
+                              scaling={"min_workers": 2, "max_workers": 3}, capacity=3)
+    result = ctl.run()
+    assert result.status == "finished" and result.restarts == 1
+    (preempted,) = events(ctl, "worker_preempted")
+    assert (preempted["rank"], preempted["step"], preempted["checkpoint_step"]) == (2, 10, 10)
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+    calls = [c for c in factory.made[0].calls if c[0] in ("launch", "train")]
+    assert calls[:4] == [("launch", (0, 5)), ("launch", (5, 10)), ("train", 1), ("train", 2)]
+    # After the resize's one-step round, the shrunk world pipelines again.
+    assert calls[-6:] == [("launch", (10, 11)), ("train", 3), ("launch", (11, 16)), ("launch", (16, 20)),
+                          ("train", 4), ("train", 5)]
+
+
+def test_a_rank_under_sigterm_that_dies_in_the_queued_round_does_not_stop_pipelining(tmp_path):
+    # Rank 2 gets SIGTERM in [0, 5) and dies in [5, 10), queued behind it (its grace ran out).
+    ctl, factory = controller(tmp_path, {"sigterm": {1: [2]}, "train": {2: {2: "died"}}},
+                              checkpoint={"every_n_steps": 10}, scaling={"min_workers": 2, "max_workers": 3},
+                              capacity=3)
+    result = ctl.run()
+    assert result.status == "finished" and result.restarts == 1
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+    calls = [c for c in factory.made[0].calls if c[0] in ("launch", "train")]
+    # Recovered from step 0 (no checkpoint yet), the world pipelines again to the end.
+    assert calls[-8:] == [("launch", (1, 6)), ("launch", (6, 10)), ("train", 4), ("train", 5),
+                          ("launch", (10, 15)), ("launch", (15, 20)), ("train", 6), ("train", 7)]
+
+
 def test_a_death_during_form_is_a_recovery_and_the_world_regrows(tmp_path):
     # The first world's join loses rank 2: drop it, form 3; its replacement joins at the next grow.
     ctl, factory = controller(tmp_path, {"form": {1: {2: "died"}}}, ready_after=[0, 0, 0, 0, 2])

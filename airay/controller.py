@@ -109,8 +109,10 @@ class Controller:
                                  ck.memory_keep_last, ck.upload_retries, config.health.max_checkpoint_failures)
         self.group: WorkerGroup | None = None
         self.group_factory = group_factory  # WorkerGroup; unit tests script one without Ray (tests/fake_group.py)
-        # A streamed dataset's feeder buffers a round plus what workers prefetch beyond it.
-        self.feeder = Feeder(stream, config.max_steps, config.steps_per_round + config.data.prefetch_steps + 1,
+        # A streamed dataset's feeder buffers a round (two when rounds are pipelined: the one
+        # running and the next) plus what workers prefetch beyond it.
+        rounds = 2 if config.pipeline_rounds else 1
+        self.feeder = Feeder(stream, config.max_steps, rounds * config.steps_per_round + config.data.prefetch_steps + 1,
                              config.data.readers, dataset) if stream is not None else None
         self.data_log = DataLog(recorder, config.data.record_sample_ids)
         self.state = State.STARTING
@@ -316,6 +318,8 @@ class Controller:
             return False
         after = policy.next_round_end(current.end, self.cfg.max_steps, self.cfg.steps_per_round,
                                       self.cfg.checkpoint.interval, self.chaos.round_starts())
+        if self.feeder is not None and not self.feeder.ready(current.end, after):
+            return False  # never wait for data with a round unwatched: it is launched after the gather
         return self.chaos.quiet(current.start, after)
 
     def _round_ok(self, outcomes: list[RankOutcome], current: _Round) -> bool:

@@ -113,6 +113,11 @@ class Feeder:
             self._failures = 0  # the pipeline delivers: only failures in a row count
             return out
 
+    def ready(self, start: int, end: int) -> bool:
+        """Whether steps [start, end) are produced: `steps` would not wait for them."""
+        with self._cv:
+            return self._thread is not None and start >= self._low and all(s in self._ready for s in range(start, end))
+
     def seek(self, step: int) -> None:
         """The next round starts at `step` (a world is forming): restart the pipeline there now
         if it is elsewhere, so its start-up overlaps the join and checkpoint load."""

@@ -266,12 +266,14 @@ class Controller:
                 return self._preempt()
             if grow:
                 return State.GROWING
-            current = self._launch_round(self.step)
+            current = self._launch_round(self.step, self._round_end(self.step))
         else:
             current, self.inflight = self.inflight, None
             self.grow_wanted = grow
-        if not (grow or self.preempt_deadline is not None or self.preempted_seen) and self._may_pipeline(current):
-            self.inflight = self._launch_round(current.end)
+        queue_end = None if grow or self.preempt_deadline is not None or self.preempted_seen \
+            else self._pipelined_end(current)
+        if queue_end is not None:
+            self.inflight = self._launch_round(current.end, queue_end)
         outcomes, values = self.group.collect(current.refs, hang_timeout_s=self.cfg.timeouts.hang_timeout_s)
         if not self._round_ok(outcomes, current):
             return State.RECOVERING
@@ -292,13 +294,16 @@ class Controller:
             return self._release_preempted(preempted)
         return State.RUNNING
 
-    def _launch_round(self, start: int) -> _Round:
-        """Launch the next round from `start`. Data faults strike whatever round holds their
-        step: the round is re-run from its start."""
-        end = policy.next_round_end(start, self.cfg.max_steps, self.cfg.steps_per_round,
-                                    self.cfg.checkpoint.interval, self.chaos.round_starts())
+    def _round_end(self, start: int) -> int:
+        """Where the round from `start` ends (policy.next_round_end)."""
         if self.pending_resize is not None:
-            end = start + 1  # one step, so recovery_s ends at the first step of the new world
+            return start + 1  # one step, so recovery_s ends at the first step of the new world
+        return policy.next_round_end(start, self.cfg.max_steps, self.cfg.steps_per_round,
+                                     self.cfg.checkpoint.interval, self.chaos.round_starts())
+
+    def _launch_round(self, start: int, end: int) -> _Round:
+        """Launch the round [start, end). Data faults strike whatever round holds their step:
+        the round is re-run from its start."""
         faults, after_launch, struck = self.chaos.round(start, end, self.group, self.ckpt)
         feed = self.feeder.steps(start, end, extra=self.cfg.data.prefetch_steps,
                                  timeout_s=self.cfg.data.pipeline_timeout_s) if self.feeder else None
@@ -309,23 +314,23 @@ class Controller:
             after_launch()
         return _Round(start, end, refs, t_launch, struck)
 
-    def _may_pipeline(self, current: _Round) -> bool:
-        """Whether the round after `current` may be queued now, before `current` is gathered:
-        the driver has nothing to do at its end (no checkpoint, no resize to time, no fault)."""
+    def _pipelined_end(self, current: _Round) -> int | None:
+        """The end of the round after `current` when it may be queued now, before `current` is
+        gathered: the driver has nothing to do at its end (no checkpoint, no resize to time, no
+        fault). None: gather `current` first."""
         if not self.cfg.pipeline_rounds or self.pending_resize is not None or current.struck:
-            return False
+            return None
         if not policy.can_pipeline(current.end, self.cfg.max_steps, self.cfg.checkpoint.interval):
-            return False
-        after = policy.next_round_end(current.end, self.cfg.max_steps, self.cfg.steps_per_round,
-                                      self.cfg.checkpoint.interval, self.chaos.round_starts())
-        if self.feeder is not None and not self.feeder.ready(current.end, after):
-            return False  # never wait for data with a round unwatched: it is launched after the gather
-        return self.chaos.quiet(current.start, after)
+            return None
+        end = self._round_end(current.end)
+        if self.feeder is not None and not self.feeder.ready(current.end, end):
+            return None  # never wait for data with a round unwatched: it is launched after the gather
+        return end if self.chaos.quiet(current.start, end) else None
 
     def _round_ok(self, outcomes: list[RankOutcome], current: _Round) -> bool:
         """_ok for a round; when it failed with the next round queued behind it, that round is
         settled first (woken, waited for) and what it lost is lost too (merge_pipelined)."""
-        if self.inflight is not None and classify_round(outcomes).kind != "ok":
+        if self.inflight is not None and any(o.kind != "ok" for o in outcomes):
             queued, self.inflight = self.inflight, None
             refs = [None if o.infra else ref for o, ref in zip(outcomes, queued.refs)]
             behind = self.group.settle(refs)

@@ -1,8 +1,9 @@
 """Live metrics of a run: Ray's metrics (Prometheus endpoint, dashboard), TensorBoard, and the
 progress line on the driver.
 
-The controller calls `Telemetry.step` once per committed step. Ray metrics are tagged by run name, so several runs on one cluster stay apart; Ray exports
-them as `ray_airay_<name>` on each node's metrics port. TensorBoard events go to
+The controller calls `Telemetry.step` once per committed step. Ray metrics are tagged by run
+name, so several runs on one cluster stay apart; Ray exports them as `ray_airay_<name>` on each
+node's metrics port. TensorBoard events go to
 RUN_DIR/tensorboard; a replayed step is written again with the same step number, and
 TensorBoard's reader drops the orphaned later points of the earlier execution on load.
 """
@@ -70,9 +71,11 @@ class Telemetry:
                 self._gauges[key] = Gauge(name, desc, tag_keys=("run",))
         self._tb = None
         if tensorboard:
+            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard.writer import FileWriter
 
             self._tb = FileWriter(str(Path(run_dir) / "tensorboard"), flush_secs=5)
+            self._summary = Summary
 
     def step(self, record: dict[str, Any], restarts: int, goodput: float) -> None:
         """One committed step (a metrics.jsonl record) plus the run-level counters at that point."""
@@ -85,10 +88,8 @@ class Telemetry:
         if self._tb is not None:
             # One event holds the step's scalars (what add_scalar writes, a simple_value per tag):
             # a seventh of the driver's CPU of one event per scalar.
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            summary = Summary(value=[Summary.Value(tag=f"airay/{k}", simple_value=v)
-                                     for k, v in values.items() if k != "step"])
+            summary = self._summary(value=[self._summary.Value(tag=f"airay/{k}", simple_value=v)
+                                           for k, v in values.items() if k != "step"])
             self._tb.add_summary(summary, record["step"], record.get("ts"))
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -329,15 +329,6 @@ class WorkerGroup:
 
     # ---- collective calls ------------------------------------------------------------------
 
-    def train(self, start: int, end: int, faults: dict[int, dict[int, dict]],
-              after_launch: Callable[[], None] | None = None,
-              hang_timeout_s: float | None = None,
-              feed: dict[int, list] | None = None) -> tuple[list[RankOutcome], list]:
-        refs = self.launch(start, end, faults, feed)
-        if after_launch is not None:
-            after_launch()
-        return self.collect(refs, hang_timeout_s)
-
     def launch(self, start: int, end: int, faults: dict[int, dict[int, dict]],
                feed: dict[int, list] | None = None) -> list:
         """Queue the round [start, end) on every rank; returns the calls' refs. A rank runs its
@@ -353,9 +344,6 @@ class WorkerGroup:
         """A round queued behind one that failed cannot finish (a peer is gone): wake its ranks
         (abort_world) and wait for them, at most drain_s. None for a rank whose ref is None (it
         was lost in the failed round: not waited for)."""
-        live = [ref for ref in refs if ref is not None]
-        if not live:
-            return [None] * len(refs)
         outcomes, _ = self._gather(refs, broken=True)
         return [o if ref is not None else None for o, ref in zip(outcomes, refs)]
 

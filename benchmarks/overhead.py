@@ -125,8 +125,6 @@ class CpuSampler(Sampler):
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
 
     def sample(self):
-        import psutil
-
         now, snap = time.time(), {}
         for proc in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
             info = proc.info
@@ -150,9 +148,19 @@ class CpuSampler(Sampler):
 class Side:
     """One side's processes: started once, then paused and resumed by the windows."""
 
-    def __init__(self, name: str, procs: list[subprocess.Popen], ends: Callable[[], dict[int, float]]):
-        self.name, self.procs, self.ends = name, procs, ends
+    def __init__(self, name: str, procs: list[subprocess.Popen], ends: Callable[[], dict[int, float]],
+                 find_pids: Callable[[], list[int] | None] | None = None):
+        self.name, self.procs, self.ends, self.find_pids = name, procs, ends, find_pids
         self.pids: list[int] = [p.pid for p in procs]  # plus airay's actors once they are up
+
+    def up(self) -> bool:
+        """Every process of this side is known (airay's actors: once its world is formed)."""
+        if self.find_pids is not None:
+            found = self.find_pids()
+            if found is None:
+                return False
+            self.pids = found
+        return True
 
     def signal(self, sig: int) -> None:
         for pid in self.pids:
@@ -182,29 +190,28 @@ def plain_side(world: int, tmp: Path) -> Side:
     return Side("plain", procs, ends)
 
 
-def airay_side(world: int, per_round: int, tmp: Path, address: str) -> Side:
-    from airay.events import read_jsonl
+def json_lines(path: Path) -> list[dict]:
+    """The whole lines of a JSONL file another process is writing (a line being written is left out)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(x) for x in text.split("\n")[:-1] if x]
 
+
+def airay_side(world: int, per_round: int, tmp: Path, address: str) -> Side:
     run = tmp / "airay-run"
     proc = subprocess.Popen([sys.executable, __file__, "--airay-driver", str(run), "--workers", str(world),
                              "--steps-per-round", str(per_round)], env={**os.environ, "RAY_ADDRESS": address},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def ends() -> dict[int, float]:
-        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-        return {m["step"]: m["ts"] for m in (json.loads(x) for x in lines if x.endswith("}"))}
-    side = Side("airay", [proc], ends)
+        return {m["step"]: m["ts"] for m in json_lines(run / "metrics.jsonl")}
 
-    def find_actors() -> bool:  # the ranks (world_formed) and this run's checkpoint stores
-        formed = [e for e in read_jsonl(run / "events.jsonl") if e["type"] == "world_formed"] \
-            if (run / "events.jsonl").exists() else []
+    def find_pids() -> list[int] | None:  # the driver, the ranks (world_formed) and the checkpoint stores
+        formed = [e for e in json_lines(run / "events.jsonl") if e["type"] == "world_formed"]
         if not formed:
-            return False
+            return None
         stores = [p.pid for p in psutil.process_iter(["cmdline"]) if "ray::NodeStore" in " ".join(p.info["cmdline"] or [])]
-        side.pids = [proc.pid] + [w["pid"] for w in formed[0]["workers"]] + stores
-        return True
-    side.find_actors = find_actors
-    return side
+        return [proc.pid] + [w["pid"] for w in formed[0]["workers"]] + stores
+    return Side("airay", [proc], ends, find_pids)
 
 
 def window_rate(ends: dict[int, float], t0: float, t1: float) -> tuple[float, list[int]] | None:
@@ -258,8 +265,7 @@ def wait_warm(sides: list[Side], warmup: int, timeout_s: float = 600) -> None:
     while time.time() < deadline:
         for side in sides:
             side.check()
-        if all(len(side.ends()) >= warmup for side in sides) and all(
-                getattr(side, "find_actors", lambda: True)() for side in sides):
+        if all(len(side.ends()) >= warmup for side in sides) and all(side.up() for side in sides):
             return
         time.sleep(0.5)
     raise RuntimeError(f"the sides did not pass {warmup} steps within {timeout_s:.0f}s")

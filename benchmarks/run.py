@@ -586,7 +586,7 @@ def readme_overhead(results: dict) -> list[str]:
     o = s["result"]
     head = (f"{_ran(s)}: steady-state samples/s under airay against plain DeepSpeed processes "
             "(torch.distributed, no Ray) with the same model, config and samples, same world size (2), both "
-            f"up at once and taking turns of {_arg(s, '--window'):g} s (the other side paused), "
+            f"up at once and taking turns of {o['args']['window']:g} s (the other side paused), "
             f"{len(o['ratios'])} pairs of adjacent windows: plain "
             f"{o['median']['plain']:.1f} samples/s, airay {o['median']['airay']:.1f}, ")
     if "ci95" not in o["median"]:

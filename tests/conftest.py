@@ -1,4 +1,9 @@
 import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -54,3 +59,25 @@ def assert_released():
         time.sleep(0.2)
     assert live_airay_actors() == []
     assert live_placement_groups() == []
+
+
+def signal_rank_after(run_dir: Path, step: int, rank: int, sig: int) -> threading.Thread:
+    """Send `sig` to rank `rank`'s process of the run's first world as soon as the metric of
+    `step` is written: a crash (SIGKILL) or a spot reclaim (SIGTERM) from outside the run, at no
+    round boundary the driver chose (chaos strikes at a round's start)."""
+    def lines(name):  # whole lines only: the driver is writing these files
+        path = Path(run_dir) / name
+        return [json.loads(x) for x in path.read_text().split("\n")[:-1] if x] if path.exists() else []
+
+    def watch():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if any(m["step"] >= step for m in lines("metrics.jsonl")):
+                formed = [e for e in lines("events.jsonl") if e["type"] == "world_formed"]
+                os.kill(formed[0]["workers"][rank]["pid"], sig)
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

@@ -172,7 +172,7 @@ class FakeGroup:
 
     def collect(self, refs, hang_timeout_s=None):
         start, end = refs[0].value
-        return self.train(start, end, {})
+        return self._play(start, end)
 
     def settle(self, refs):
         """A round queued behind a failed one: every rank waited for failed too (collateral)."""
@@ -180,7 +180,7 @@ class FakeGroup:
         return [None if ref is None else RankOutcome(r, "errored", error="in no world", cause="RuntimeError")
                 for r, ref in enumerate(refs)]
 
-    def train(self, start, end, faults, after_launch=None, hang_timeout_s=None, feed=None):
+    def _play(self, start, end):
         world = len(self.active)
         outcomes = self._outcomes("train", world)
         values = []

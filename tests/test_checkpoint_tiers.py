@@ -19,11 +19,9 @@ world sizes 3 and 2 sum gradients in different orders).
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import yaml
@@ -33,7 +31,7 @@ import pytest
 from airay import JobConfig, fit
 from airay.checkpoint.storage import Storage
 from airay.events import committed_losses, read_jsonl
-from tests.conftest import assert_released
+from tests.conftest import assert_released, signal_rank_after
 from tests.s3server import s3_server
 
 pytestmark = pytest.mark.cluster
@@ -254,15 +252,7 @@ def test_sigterm_to_a_worker_checkpoints_then_shrinks_without_losing_a_step(tmp_
     local_cluster(nodes=3)
     run = tmp_path / "run"
 
-    def reclaim():  # a spot reclaim of rank 1's node, mid-round
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if any(m["step"] >= 12 for m in read_jsonl(run / "metrics.jsonl")):
-                os.kill(events(run, "world_formed")[0]["workers"][1]["pid"], signal.SIGTERM)
-                return
-            time.sleep(0.05)
-
-    threading.Thread(target=reclaim, daemon=True).start()
+    signal_rank_after(run, 12, 1, signal.SIGTERM)  # a spot reclaim of rank 1's node, mid-round
     result = fit(spec(run, 30), echo=False)
     assert result.status == "finished" and result.final_step == 30
     assert_released()

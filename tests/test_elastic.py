@@ -10,17 +10,14 @@ while a wrong sample, a lost optimizer moment or a skipped LR step moves the los
 """
 
 import json
-import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from airay import JobConfig, fit
 from airay.events import committed_losses, read_jsonl
-from tests.conftest import assert_released
+from tests.conftest import assert_released, signal_rank_after
 
 pytestmark = pytest.mark.cluster
 
@@ -91,27 +88,6 @@ def baselines(tmp_path_factory):
     return out
 
 
-def kill_after(run_dir: Path, step: int, rank: int) -> threading.Thread:
-    """SIGKILL rank `rank`'s process as soon as the metric of `step` is written: a crash from
-    outside, at no round boundary the driver chose (chaos strikes at a round's start)."""
-    def lines(name):
-        path = run_dir / name
-        return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
-
-    def watch():
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if any(m["step"] >= step for m in lines("metrics.jsonl")):
-                formed = [e for e in lines("events.jsonl") if e["type"] == "world_formed"]
-                os.kill(formed[0]["workers"][rank]["pid"], signal.SIGKILL)
-                return
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, local_cluster, baselines, zero_stage=3):
     """ZeRO-3 (every parameter partitioned: the hardest state to reshard); ZeRO-2 shrinks and
     regrows with equal losses in test_node_loss_then_node_added and tests/test_fault_matrix.py.
@@ -119,7 +95,7 @@ def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, local_clus
     the rank dies with the next round queued behind the one it runs."""
     local_cluster(nodes=4)
     cfg = spec(tmp_path, f"kill-z{zero_stage}", zero_stage, steps_per_round=2, checkpoint={"every_n_steps": 10})
-    killer = kill_after(Path(cfg.run_dir), 13, rank=1)  # while steps 14-15 run, 16-17 queued or about to be
+    killer = signal_rank_after(Path(cfg.run_dir), 13, 1, signal.SIGKILL)  # while 14-15 run, 16-17 queued
     result = fit(cfg, echo=False)
     killer.join(1)
     assert result.status == "finished" and result.final_step == 60

@@ -45,8 +45,8 @@ DEMO = "airay run jobs/demo.yaml --run-dir"  # + a fresh directory
 FULL = {
     "recovery": ["--repeats", "3"],
     # Time-sliced: both sides up at once, taking 3 s turns (the other side paused); pairs of adjacent
-    # windows until the ratio's 95% interval is within +-1% (30 to 80 pairs), unpaced model.
-    "overhead": ["--window", "3", "--min-pairs", "30", "--max-pairs", "80", "--width", "0.01"],
+    # windows until the ratio's 95% interval is within +-1% (30 to 160 pairs), unpaced model.
+    "overhead": ["--window", "3", "--min-pairs", "30", "--max-pairs", "160", "--width", "0.01"],
     "decision": ["--workers", "4096", "--repeats", "21"],
     "raytrain": ["--repeats", "3", "--steps", "30", "--fault-step", "12"],
     # Long on purpose (20 min windows, 2 runs per side: ~90 min): start-up must be a realistic share.
@@ -60,7 +60,7 @@ SCRIPT: dict[str, str] = {}  # sections run by another section's script
 TIMEOUT_S = {"goodput": 3 * 3600}  # seconds a section may run (default 30 min)
 REDUCED = {
     "recovery": ["--repeats", "1"],
-    "overhead": ["--min-pairs", "2", "--max-pairs", "2", "--window", "3"],
+    "overhead": ["--min-pairs", "2", "--max-pairs", "2", "--window", "1.5"],
     "decision": ["--workers", "256", "--repeats", "3"],
     "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "12", "--fault-step", "7"],
     "checkpoint": ["--reduced"],

@@ -597,9 +597,9 @@ def readme_overhead(results: dict) -> list[str]:
                   f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)}).")
     if "round_gap" in o["median"]:
         c = o["median"]["cores"]
-        out += (f" Of the gap, the round boundary (a rank going from one round's call to the next) costs "
-                f"{o['median']['round_gap']['share']:.1%}; the training ranks got {c['airay']['ranks']:.3f} cores "
-                f"under airay against {c['plain']['ranks']:.3f} plain.")
+        out += (f" A round boundary (a rank going from one round's call to the next) costs "
+                f"{o['median']['round_gap']['share']:.1%} of the steady state; the training ranks got {c['airay']['ranks']:.3f} "
+                f"cores under airay against {c['plain']['ranks']:.3f} plain.")
     return [out]
 
 

@@ -69,10 +69,12 @@ def _short(v: Any) -> str:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSONL file, also of one a live process is writing: every writer ends a
+    record with a newline, so a last line without one (being written, or cut by a kill) is left out."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
 
 
 def committed_losses(run_dir: str | os.PathLike) -> dict[int, float]:

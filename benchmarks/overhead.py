@@ -54,6 +54,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from airay.events import read_jsonl  # noqa: E402
 from benchmarks.sampler import Sampler  # noqa: E402
 
 TARGET = 0.97
@@ -190,12 +191,6 @@ def plain_side(world: int, tmp: Path) -> Side:
     return Side("plain", procs, ends)
 
 
-def json_lines(path: Path) -> list[dict]:
-    """The whole lines of a JSONL file another process is writing (a line being written is left out)."""
-    text = path.read_text() if path.exists() else ""
-    return [json.loads(x) for x in text.split("\n")[:-1] if x]
-
-
 def airay_side(world: int, per_round: int, tmp: Path, address: str) -> Side:
     run = tmp / "airay-run"
     proc = subprocess.Popen([sys.executable, __file__, "--airay-driver", str(run), "--workers", str(world),
@@ -203,10 +198,10 @@ def airay_side(world: int, per_round: int, tmp: Path, address: str) -> Side:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def ends() -> dict[int, float]:
-        return {m["step"]: m["ts"] for m in json_lines(run / "metrics.jsonl")}
+        return {m["step"]: m["ts"] for m in read_jsonl(run / "metrics.jsonl")}
 
     def find_pids() -> list[int] | None:  # the driver, the ranks (world_formed) and the checkpoint stores
-        formed = [e for e in json_lines(run / "events.jsonl") if e["type"] == "world_formed"]
+        formed = [e for e in read_jsonl(run / "events.jsonl") if e["type"] == "world_formed"]
         if not formed:
             return None
         stores = [p.pid for p in psutil.process_iter(["cmdline"]) if "ray::NodeStore" in " ".join(p.info["cmdline"] or [])]

@@ -136,43 +136,32 @@ def render_overhead(ovh: dict) -> list[str]:
     from benchmarks.overhead import interval_text
 
     med = ovh["median"]
-    if "ci95" not in med:  # a run from before the interval was computed
-        ratio = f"**{med['ratio']:.3f}** (median of pairs {_spread(ovh['ratios'])}; no interval; target ≥ 0.97)"
-    else:
-        lo, hi = med["ci95"]
-        ratio = (f"**{med['ratio']:.3f}**, 95% CI {interval_text(lo, hi)} over {med['pairs']} pairs "
-                 f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)})")
-    sliced = "windows" in ovh
-    how = ("Both sides are started once and take turns: one trains for a window of "
-           f"{ovh['args']['window']:g} s while every process of the other is paused (SIGSTOP); a pair is two "
-           "adjacent windows, the order alternating" if sliced else "Interleaved pairs of whole runs, the order "
-           "alternating")
+    lo, hi = med["ci95"]
+    ratio = (f"**{med['ratio']:.3f}**, 95% CI {interval_text(lo, hi)} over {med['pairs']} pairs "
+             f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)})")
     return ["Steady-state samples/s, 2 workers, same model (no sleep: a step is CPU work), DeepSpeed config, "
             "batch plan and samples; the baseline is one process per rank with torch.distributed + "
-            "deepspeed.initialize (benchmarks/plain.py) and a bare step loop. " + how + "; the ratio is the "
+            "deepspeed.initialize (benchmarks/plain.py) and a bare step loop. Both sides are started once and "
+            f"take turns: one trains for a window of {ovh['args']['window']:g} s while every process of the "
+            "other is paused (SIGSTOP); a pair is two adjacent windows, the order alternating; the ratio is the "
             "geometric mean of the pairs' ratios, its interval Student's t over their logs.", "",
             "| | samples/s (median) | spread | ratio |", "| --- | --- | --- | --- |",
             f"| plain DeepSpeed (baseline) | {med['plain']:.1f} | {_spread(ovh['plain'], 1)} | 1 |",
-            f"| airay | {med['airay']:.1f} | {_spread(ovh['airay'], 1)} | {ratio} |"] + overhead_attribution(ovh)
+            f"| airay | {med['airay']:.1f} | {_spread(ovh['airay'], 1)} | {ratio} |"] + overhead_attribution(med)
 
 
-def overhead_attribution(ovh: dict) -> list[str]:
+def overhead_attribution(med: dict) -> list[str]:
     """Where the gap goes: the round boundary and each side's cores by kind of process."""
-    med, lines = ovh["median"], []
-    if "round_gap" in med:
-        g = med["round_gap"]
-        lines += ["", f"Round boundary: a step inside a round {g['step_s'] * 1e3:.1f} ms, a round's first step "
-                  f"{g['first_step_s'] * 1e3:.1f} ms (" + ("a rank goes from one round's call to the next, queued "
-                  "behind it, while the driver gathers and records the round" if "windows" in ovh else
-                  "the driver gathers the round and launches the next") + "): "
-                  f"**{g['share']:.1%}** of airay's steady state."]
-    if "cores" in med:
-        kinds = ("ranks", "driver", "stores", "ray", "other")
-        lines += ["", "Cores used in the steady state (median over the windows; training ranks, airay's driver, "
-                  "airay's checkpoint stores, Ray's daemons, the rest, this benchmark's own process among it):", "",
-                  "| | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * len(kinds)]
-        for side in ("plain", "airay"):
-            lines.append(f"| {side} | " + " | ".join(f"{med['cores'][side][k]:.3f}" for k in kinds) + " |")
+    g = med["round_gap"]
+    lines = ["", f"Round boundary: a step inside a round {g['step_s'] * 1e3:.1f} ms, a round's first step "
+             f"{g['first_step_s'] * 1e3:.1f} ms (a rank goes from one round's call to the next, queued behind it, "
+             f"while the driver gathers and records the round): **{g['share']:.1%}** of airay's steady state."]
+    kinds = ("ranks", "driver", "stores", "ray", "other")
+    lines += ["", "Cores used in the steady state (median over the windows; training ranks, airay's driver, "
+              "airay's checkpoint stores, Ray's daemons, the rest, this benchmark's own process among it):", "",
+              "| | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * len(kinds)]
+    for side in ("plain", "airay"):
+        lines.append(f"| {side} | " + " | ".join(f"{med['cores'][side][k]:.3f}" for k in kinds) + " |")
     return lines
 
 
@@ -589,18 +578,13 @@ def readme_overhead(results: dict) -> list[str]:
             f"up at once and taking turns of {o['args']['window']:g} s (the other side paused), "
             f"{len(o['ratios'])} pairs of adjacent windows: plain "
             f"{o['median']['plain']:.1f} samples/s, airay {o['median']['airay']:.1f}, ")
-    if "ci95" not in o["median"]:
-        return [head + f"median pair ratio **{o['median']['ratio']:.3f}** with no interval (the pairs spread from "
-                f"{min(o['ratios']):.2f} to {max(o['ratios']):.2f}: too few to resolve the 0.97 target)."]
-    lo, hi = o["median"]["ci95"]
-    out = head + (f"ratio **{o['median']['ratio']:.3f}**, 95% confidence interval {interval_text(lo, hi)} "
-                  f"(target: lower bound ≥ 0.97, {_met(lo >= 0.97)}).")
-    if "round_gap" in o["median"]:
-        c = o["median"]["cores"]
-        out += (f" A round boundary (a rank going from one round's call to the next) costs "
-                f"{o['median']['round_gap']['share']:.1%} of the steady state; the training ranks got {c['airay']['ranks']:.3f} "
-                f"cores under airay against {c['plain']['ranks']:.3f} plain.")
-    return [out]
+    med = o["median"]
+    lo, hi = med["ci95"]
+    c = med["cores"]
+    return [head + f"ratio **{med['ratio']:.3f}**, 95% confidence interval {interval_text(lo, hi)} (target: lower "
+            f"bound ≥ 0.97, {_met(lo >= 0.97)}). A round boundary (a rank going from one round's call to the next) "
+            f"costs {med['round_gap']['share']:.1%} of the steady state; the training ranks got "
+            f"{c['airay']['ranks']:.3f} cores under airay against {c['plain']['ranks']:.3f} plain."]
 
 
 def readme_startup(results: dict) -> list[str]:

@@ -44,6 +44,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from airay.events import read_jsonl  # noqa: E402
 from benchmarks.plain import plain_job, train_step  # noqa: E402
 
 WORKERS = 4
@@ -60,10 +61,6 @@ def job_spec(run_dir: Path) -> dict:
     spec["cluster"] = {"local_nodes": WORKERS, "cpus_per_node": 1}
     spec["scaling"] = {"min_workers": WORKERS, "max_workers": WORKERS}
     return spec
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def airay_parts(run_dir: Path, t_spawn: float) -> dict[str, float]:

@@ -1,5 +1,4 @@
 import contextlib
-import json
 import os
 import threading
 import time
@@ -9,6 +8,7 @@ import pytest
 import ray
 
 from airay.config import LocalClusterSpec
+from airay.events import read_jsonl
 from airay.local_cluster import LocalCluster
 
 
@@ -65,15 +65,11 @@ def signal_rank_after(run_dir: Path, step: int, rank: int, sig: int) -> threadin
     """Send `sig` to rank `rank`'s process of the run's first world as soon as the metric of
     `step` is written: a crash (SIGKILL) or a spot reclaim (SIGTERM) from outside the run, at no
     round boundary the driver chose (chaos strikes at a round's start)."""
-    def lines(name):  # whole lines only: the driver is writing these files
-        path = Path(run_dir) / name
-        return [json.loads(x) for x in path.read_text().split("\n")[:-1] if x] if path.exists() else []
-
-    def watch():
+    def watch():  # read_jsonl leaves out a line the driver is still writing
         deadline = time.time() + 300
         while time.time() < deadline:
-            if any(m["step"] >= step for m in lines("metrics.jsonl")):
-                formed = [e for e in lines("events.jsonl") if e["type"] == "world_formed"]
+            if any(m["step"] >= step for m in read_jsonl(Path(run_dir) / "metrics.jsonl")):
+                formed = [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e["type"] == "world_formed"]
                 os.kill(formed[0]["workers"][rank]["pid"], sig)
                 return
             time.sleep(0.01)

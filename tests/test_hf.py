@@ -71,12 +71,11 @@ def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pre
 
     from airay.export import export_hf
 
-    stage = 3
-    base = fit(spec(tmp_path / "base", stage), echo=False, local_cluster=cluster)
+    base = fit(spec(tmp_path / "base", 3), echo=False, local_cluster=cluster)
     assert base.status == "finished" and base.world_sizes == [4]
     # Paced steps and rounds of 2: the killed rank's replacement joins at a round's end (4 -> 3 -> 4);
     # durable saves every 2 steps: the world of 3 writes one (at 6) before it grows.
-    faulty = fit(spec(tmp_path / "kill", stage, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True,
+    faulty = fit(spec(tmp_path / "kill", 3, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True,
                       forward_delay_s=0.8, steps_per_round=2, every_n_steps=2), echo=False, local_cluster=cluster)
     assert_released()
     assert faulty.status == "finished" and faulty.world_sizes == [4, 3, 4], faulty.error

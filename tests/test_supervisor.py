@@ -18,3 +18,16 @@ def test_only_a_driver_that_died_is_restarted_and_only_within_the_budget():
 
 def test_exits_are_named():
     assert exit_text(-9) == "SIGKILL" and exit_text(70) == "exit 70" and exit_text(-200) == "signal 200"
+
+
+def test_a_run_files_last_line_cut_by_a_kill_or_still_being_written_is_left_out(tmp_path):
+    """The supervisor reads the events of a driver that was SIGKILLed, `airay status` those of a
+    live one: a record is whole only once its newline is written."""
+    from airay.events import read_jsonl
+
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"type": "run_started", "step": 0}\n{"type": "world_formed", "st')
+    assert read_jsonl(path) == [{"type": "run_started", "step": 0}]
+    path.write_text(path.read_text() + 'ep": 0}\n')
+    assert [e["type"] for e in read_jsonl(path)] == ["run_started", "world_formed"]
+    assert read_jsonl(tmp_path / "none.jsonl") == []

@@ -27,7 +27,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _engine(rank, world, stage, port, load_universal=False, first=True):
+def _engine(rank, world, stage, port, load_universal=False, first=True, zero=None):
     import deepspeed
 
     sys.path.insert(0, str(ROOT))
@@ -44,7 +44,7 @@ def _engine(rank, world, stage, port, load_universal=False, first=True):
                                    init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     reset_zero3_globals()
     plan = plan_batch(GBS, 4, world)
-    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage, **(zero or {})}}
     model = tiny_gpt.build(seed=0, **MODEL)
     return build_engine(model, ds, plan, "cpu", load_universal), plan
 
@@ -78,8 +78,8 @@ def _state(engine, stage):
     return flats, moments
 
 
-def _save_world(rank, world, stage, port, out):
-    engine, plan = _engine(rank, world, stage, port)
+def _save_world(rank, world, stage, port, out, zero):
+    engine, plan = _engine(rank, world, stage, port, zero=zero)
     _train(engine, plan, rank, range(3))
     engine.save_checkpoint(out, tag="ck", save_latest=False)
     if rank == 0:
@@ -88,7 +88,7 @@ def _save_world(rank, world, stage, port, out):
         Path(out, "layout.json").write_text(json.dumps(layout_of(engine)))
 
 
-def _load_world(rank, world, stage, port, out, results):
+def _load_world(rank, world, stage, port, out, zero, results):
     import deepspeed.comm as dist
 
     from airay.checkpoint.layout import Manifest
@@ -101,7 +101,7 @@ def _load_world(rank, world, stage, port, out, results):
     old_world = len([n for n in names if "optim_states" in n])
     manifest = Manifest(0, old_world, stage, {}, {n: None for n in names},
                         json.loads(Path(out, "layout.json").read_text()))
-    engine, plan = _engine(rank, world, stage, port)
+    engine, plan = _engine(rank, world, stage, port, zero=zero)
     layout = layout_of(engine)
     need = needed_files(manifest, rank, world, layout)
     lp = LoadPlan(manifest, rank, world, {n: str(old / n) for n in need}, layout)
@@ -115,11 +115,11 @@ def _load_world(rank, world, stage, port, out, results):
     ours_loss = _train(engine, plan, rank, [3])
     engine.destroy()
     dist.barrier()
-    engine, plan = _engine(rank, world, stage, port, load_universal=True, first=False)
+    engine, plan = _engine(rank, world, stage, port, load_universal=True, first=False, zero=zero)
     engine.load_checkpoint(out, tag="ck_universal")
     theirs = _state(engine, stage)
     theirs_loss = _train(engine, plan, rank, [3])
-    results[rank] = {"need": need, "equal": all(torch.equal(a, b) for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1])),
+    results[rank] = {"need": need, "layout": layout, "old_layout": manifest.layout, "equal": all(torch.equal(a, b) for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1])),
                      "ours_loss": ours_loss, "theirs_loss": theirs_loss}
 
 
@@ -136,14 +136,25 @@ def _universal(out):
         ds_to_universal.main(args)
 
 
-@pytest.mark.parametrize("stage,old,new", [(2, 4, 3), (3, 3, 4), (1, 2, 3)], ids=["zero2-4to3", "zero3-3to4", "zero1-2to3"])
-def test_reshard_at_load_equals_deepspeeds_universal_checkpoint(tmp_path, stage, old, new):
+# Sub-groups of 1,500 partition elements: the tiny GPT's ~42k parameters make a dozen or more at
+# these world sizes, and where they end differs between 3 and 4 ranks (asserted below), as a
+# 7B model's default 1e9-element sub-groups do between 8 and 6 ranks.
+SMALL_SUB_GROUPS = {"sub_group_size": 1500}
+
+
+@pytest.mark.parametrize("stage,old,new,zero", [(2, 4, 3, None), (3, 3, 4, None), (1, 2, 3, None),
+                                                (3, 4, 3, SMALL_SUB_GROUPS), (3, 3, 4, SMALL_SUB_GROUPS)],
+                         ids=["zero2-4to3", "zero3-3to4", "zero1-2to3", "zero3-subgroups-4to3", "zero3-subgroups-3to4"])
+def test_reshard_at_load_equals_deepspeeds_universal_checkpoint(tmp_path, stage, old, new, zero):
     out = str(tmp_path)
-    mp.spawn(_save_world, args=(old, stage, _port(), out), nprocs=old)
+    mp.spawn(_save_world, args=(old, stage, _port(), out, zero), nprocs=old)
     _universal(out)
     results = mp.Manager().dict()
-    mp.spawn(_load_world, args=(new, stage, _port(), out, results), nprocs=new)
+    mp.spawn(_load_world, args=(new, stage, _port(), out, zero, results), nprocs=new)
     results = dict(results)
+    if zero is SMALL_SUB_GROUPS:  # the case under test: sub-groups that end elsewhere at the new size
+        old_cut, new_cut = ([len(g) for g in results[0][k]["param_numels"]] for k in ("old_layout", "layout"))
+        assert len(old_cut) > 2 and old_cut != new_cut, (old_cut, new_cut)
     assert sorted(results) == list(range(new))
     for rank, r in results.items():
         assert r["equal"], rank  # the same fp32 partition and moments as DeepSpeed's own reshard

@@ -172,7 +172,7 @@ class LoadPlan:
         t0 = time.perf_counter()
         old = {r: self._open(reshard.optim_file(r, bf16)) for r in self._ranks()}
         if m.zero_stage == 3:
-            out = reshard.reshard_zero3(old, m.world_size, self.rank, self.world, self.layout["param_numels"])
+            out = reshard.reshard_zero3(old, m.world_size, self.rank, self.world, m.layout, self.layout)
         else:
             out = reshard.reshard_zero12(old, m.world_size, self.rank, self.world, m.layout["partitions"],
                                          self.layout["partitions"], self.layout["totals"])

@@ -11,8 +11,10 @@ The layouts (fp32, no offload):
   elements, padded at its end to `partition x world` and cut into equal partitions; a rank's file
   holds its partition of the fp32 master weights (unpadded: the last rank's is shorter) and of
   each optimizer state (padded).
-- ZeRO-3: per sub-group, each parameter of n elements is cut into partitions of ceil(n / world)
-  (the last padded); a rank's flat vector is its partition of every parameter, in order.
+- ZeRO-3: each parameter of n elements is cut into partitions of ceil(n / world) (the last
+  padded); the parameters are grouped into sub-groups by their partitions' sizes (so the
+  sub-groups themselves change with the world size), and a rank's flat vector per sub-group is
+  its partition of each of the sub-group's parameters, in order.
 Stage 0 keeps the optimizer whole in the model-states file: nothing is partitioned.
 """
 
@@ -61,7 +63,7 @@ def ranks_needed(zero_stage: int, old_world: int, new_rank: int, new_world: int,
         for part, new_part, total in zip(partitions, new_partitions, totals):
             lo, hi = new_rank * new_part, min((new_rank + 1) * new_part, total)
             need.update(overlapping(lo, hi, part, old_world))
-    elif zero_stage == 3:
+    elif zero_stage == 3:  # per parameter: where sub-groups end does not matter here
         for numels in param_numels:
             for n in numels:
                 c, c_new = math.ceil(n / old_world), math.ceil(n / new_world)
@@ -123,43 +125,72 @@ def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_worl
 
 
 def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
-                  param_numels: list[list[int]]) -> dict:
-    """New rank's ZeRO-3 optimizer file from the old ranks' files `old` (at least ranks_needed's)."""
+                  old_layout: dict, new_layout: dict) -> dict:
+    """New rank's ZeRO-3 optimizer file from the old ranks' files `old` (at least ranks_needed's).
+
+    DeepSpeed cuts each parameter group's parameters into sub-groups of about `sub_group_size`
+    elements of *partition* (stage3.py _create_fp16_sub_groups), so where a sub-group ends moves
+    with the world size: the old and new worlds may group the same parameters differently. Each
+    parameter is therefore found in the old layout by its place in the global order (parameter
+    groups in order, each group's parameters in order: the concatenation of the sub-groups at
+    any world size) and resliced into the new sub-group that holds it. The inner optimizer's
+    state is keyed by sub-group (its parameters are the fp32 flat sub-groups), so its
+    param_groups are rebuilt with the new sub-groups' indices."""
     import torch
 
     first = old[min(old)]
     out = dict(first)
     osd = dict(first[OPTIMIZER_STATE_DICT])
     torch_sd = osd[OPTIMIZER_STATE_DICT]
+    where = _zero3_param_places(old_layout["param_numels"], old_world)  # global param -> (old sub-group, offset)
 
-    def reslice(numels: list[int], flat_of: Callable[[int], object]):
+    def reslice(params: range, numels: list[int], flat_of: Callable[[int, int], object]):
         parts = []
-        offsets, offset = [], 0
-        for n in numels:  # each parameter's partition's place in an old rank's flat vector
-            offsets.append(offset)
-            offset += math.ceil(n / old_world)
-        for n, at in zip(numels, offsets):
+        for k, n in zip(params, numels):
+            g_old, at = where[k]
             c, c_new = math.ceil(n / old_world), math.ceil(n / new_world)
             lo = new_rank * c_new
-            parts.append(gather(lambda r: flat_of(r)[at:at + c], c, old_world, lo, lo + c_new, n))
+            parts.append(gather(lambda r: flat_of(r, g_old)[at:at + c], c, old_world, lo, lo + c_new, n))
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    flats, new_state = [], {}
-    for g, numels in enumerate(param_numels):
-        flats.append(reslice(numels, lambda r: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][g]))
-        if g in torch_sd["state"]:  # no state before the optimizer's first step
-            new_state[g] = {}
-        for key, value in torch_sd["state"].get(g, {}).items():
+    def old_state(r: int, g: int) -> dict:
+        return old[r][OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT]["state"][g]
+
+    flats, new_state, start = [], {}, 0
+    for g, numels in enumerate(new_layout["param_numels"]):
+        params = range(start, start + len(numels))
+        start += len(numels)
+        flats.append(reslice(params, numels, lambda r, go: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][go]))
+        g_first = where[params.start][0] if numels else 0
+        if g_first not in torch_sd["state"]:  # no state before the optimizer's first step
+            continue
+        new_state[g] = {}
+        for key, value in torch_sd["state"][g_first].items():
             if hasattr(value, "numel") and value.dim() == 1 and value.numel() > 1:
-                new_state[g][key] = reslice(numels, lambda r: old[r][OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT]
-                                            ["state"][g][key])
-            else:
+                new_state[g][key] = reslice(params, numels, lambda r, go: old_state(r, go)[key])
+            else:  # per-sub-group scalars (the step count) are the same for every sub-group
                 new_state[g][key] = copy.deepcopy(value)
-    osd[OPTIMIZER_STATE_DICT] = {"state": new_state, "param_groups": copy.deepcopy(torch_sd["param_groups"])}
+    groups_of = new_layout.get("param_groups") or [0] * len(new_layout["param_numels"])
+    param_groups = copy.deepcopy(torch_sd["param_groups"])
+    for pg, group in enumerate(param_groups):
+        group["params"] = [g for g, owner in enumerate(groups_of) if owner == pg]
+    osd[OPTIMIZER_STATE_DICT] = {"state": new_state, "param_groups": param_groups}
     osd[FP32_FLAT_GROUPS] = flats
     osd[PARTITION_COUNT] = new_world
     out[OPTIMIZER_STATE_DICT] = osd
     return out
+
+
+def _zero3_param_places(param_numels: list[list[int]], world: int) -> list[tuple[int, int]]:
+    """For every parameter in the global order: (its sub-group, the offset of its partition in
+    that sub-group's flat vector) at `world` ranks."""
+    places = []
+    for g, numels in enumerate(param_numels):
+        offset = 0
+        for n in numels:
+            places.append((g, offset))
+            offset += math.ceil(n / world)
+    return places
 
 
 def layout_of(engine) -> dict:
@@ -172,5 +203,6 @@ def layout_of(engine) -> dict:
         return {"partitions": [int(t.numel()) for t in opt.single_partition_of_fp32_groups],
                 "totals": [sum(int(p.numel()) for p in group) + sum(pad) for group, pad in zip(opt.bit16_groups, paddings)]}
     if stage == 3:
-        return {"param_numels": [[int(p.ds_numel) for p in group] for group in opt.fp16_groups]}
+        return {"param_numels": [[int(p.ds_numel) for p in group] for group in opt.fp16_groups],
+                "param_groups": [int(opt.sub_group_to_group_id[g]) for g in range(len(opt.fp16_groups))]}
     return {}

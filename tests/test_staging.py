@@ -140,3 +140,49 @@ def _tensors(item, prefix=""):
         for i, v in enumerate(item):
             out.update(_tensors(v, f"{prefix}/{i}"))
     return out
+
+
+def test_a_slow_write_holds_the_next_optimizer_step_even_when_the_persist_waits_for_it(engine, tmp_path, monkeypatch):
+    """The tear: on a GPU a step takes milliseconds and the writes of a big state take seconds.
+    Here the writer is made slow on purpose (its first write of the save blocks until the step
+    after the save has returned, or 2 s), while another thread waits for the files as the
+    persist does. The optimizer step must wait for the writes, so the files hold the state of
+    the save's step; a step that went ahead would change the weights and Adam moments before
+    they were written (and the CRCs, computed over what was written, would still verify)."""
+    import threading
+
+    from airay.models import tiny_gpt
+
+    _train_step(engine, 0)
+    engine.save_checkpoint(str(tmp_path / "sync"), tag="native", save_latest=False)
+    step_returned = threading.Event()
+
+    class SlowFile(staging.CrcFile):
+        blocked = False
+
+        def write(self, data):
+            if not SlowFile.blocked:
+                SlowFile.blocked = True
+                step_returned.wait(timeout=2.0)
+            return super().write(data)
+
+    monkeypatch.setattr(staging, "CrcFile", SlowFile)
+    writer = staging.Writer()
+    staging.install(engine, writer)
+    engine.save_checkpoint(str(tmp_path / "staged"), tag="native", save_latest=False)
+    persist = threading.Thread(target=writer.wait)  # the io thread's persist, waiting for the files
+    persist.start()
+    persist.join(timeout=0.3)
+    assert persist.is_alive()  # it is waiting beside the step
+    engine.backward(tiny_gpt.loss(engine, {"tokens": torch.randint(0, 256, (2, 9))}))
+    engine.step()
+    step_returned.set()
+    persist.join()
+    waited = writer.take_wait()  # what the step reports as checkpoint_wait_s
+    assert waited > 1.0, waited
+    sync, staged = _files(tmp_path / "sync"), _files(tmp_path / "staged")
+    assert set(staged) == set(sync)
+    for name, path in staged.items():
+        a, b = _tensors(torch.load(path, weights_only=False)), _tensors(torch.load(sync[name], weights_only=False))
+        assert a.keys() == b.keys() and a
+        assert all(torch.equal(a[k], b[k]) for k in a), name

@@ -6,7 +6,9 @@ there, inside the step loop. `StagingEngine.save` returns at once: parameters an
 change only in the optimizer step, so they are written as they are (no host copy: on a CPU node
 the file in node memory is the copy) by a background `Writer`, while the next step's forward and
 backward run; the engine's `step` (and `load_checkpoint`) first wait for those writes
-(`Writer.wait_live`, reported per step as `checkpoint_wait_s`). Everything else in a state dict
+(`Writer.wait_live`, reported per step as `checkpoint_wait_s`), whichever other thread waits
+for them too. On a GPU the live tensors are copied to pinned host buffers on a side stream
+(`HostStager`) and the step waits for those copies, not for the files. Everything else in a state dict
 (module buffers, which forward may update; counters) is cloned inside `save`. A tensor that views
 part of a larger storage (ZeRO's flat buffers) is rewrapped onto just that part, so its file holds
 its own elements and nothing is copied.
@@ -65,9 +67,10 @@ def own_storage(t):
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(part, 0, t.shape, t.stride())
 
 
-def stage(item, live: set[int], counts: dict | None = None):
+def stage(item, live: set[int], counts: dict | None = None, host=None):
     """`item` ready to write after the save returns: tensors on `live` storages (those only the
-    optimizer step writes) as they are, the rest cloned now; containers rebuilt (dict subclasses
+    optimizer step writes) as they are (or, given a `host` stager, copied asynchronously to its
+    pinned buffers: device tensors), the rest cloned now; containers rebuilt (dict subclasses
     keep their type and defaults); other leaves shared. `counts` gets the bytes of each kind."""
     import torch
 
@@ -78,6 +81,8 @@ def stage(item, live: set[int], counts: dict | None = None):
             t = item.detach()
             if t.untyped_storage().data_ptr() in live:
                 counts["live"] += t.nbytes
+                if host is not None and t.device.type != "cpu":
+                    return host.copy(t)
                 return own_storage(t)
             counts["cloned"] += t.nbytes
             return t.clone() if t.device.type == "cpu" else t.to("cpu")
@@ -103,15 +108,21 @@ class Writer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-writer")
         self._pending: list[Future] = []
         self._live: list[Future] = []  # writes that read tensors the optimizer step will change
+        self._copies: list = []  # device-to-host copies of live tensors (CUDA events) not yet waited for
         self._wait_s = 0.0
         self._written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32) since take_written
         self._lock = threading.Lock()
 
-    def submit(self, path: str, state, live: bool) -> None:
+    def submit(self, path: str, state, live: bool, copied=None) -> None:
+        """Write `state` to `path` in the background. `live`: it reads tensors the optimizer step
+        changes (the step waits for the write); `copied`: an event after which `state`'s host
+        copies are complete (the write waits for it, the step too: not for the file)."""
         def write():
             import torch
             from torch.utils.serialization import config
 
+            if copied is not None:
+                copied.synchronize()
             # torch's own per-record CRC-32 is redundant with the file's (CrcFile), which the
             # manifest holds and every load checks: skip it (a quarter of a save's CPU time).
             config.save.compute_crc32 = False
@@ -128,18 +139,26 @@ class Writer:
             self._pending.append(future)
             if live:
                 self._live.append(future)
+            if copied is not None:
+                self._copies.append(copied)
 
     def wait_live(self) -> float:
         """Block until every write that reads live tensors is done (before the optimizer step
-        changes them); returns the seconds waited, also summed for `take_wait`."""
+        changes them); returns the seconds waited, also summed for `take_wait`. Another thread
+        waiting for the same writes (the persist, Writer.wait) does not excuse this one: the
+        writes stay listed until they are done, whoever waited for them."""
         with self._lock:
-            live, self._live = self._live, []
-        if not live:
+            live, copies = list(self._live), list(self._copies)
+        if not live and not copies:
             return 0.0
         t0 = time.perf_counter()
+        for event in copies:  # on a GPU: the copies to pinned host memory, not the files
+            event.synchronize()
         _wait_all(live)  # a failed write fails its file, found by wait(); never the step loop
         waited = time.perf_counter() - t0
         with self._lock:
+            self._live = [f for f in self._live if not f.done()]
+            self._copies = [e for e in self._copies if not e.query()]
             self._wait_s += waited
         return waited
 
@@ -158,10 +177,14 @@ class Writer:
         (the files of that save are incomplete: they must not be committed) unless
         `raise_errors` is False (a save whose files are being thrown away)."""
         with self._lock:
-            pending, self._pending, self._live = self._pending, [], []
-        for f in pending:
-            if f.exception() is not None and raise_errors:
-                raise f.exception()
+            pending = list(self._pending)
+        _wait_all(pending)
+        with self._lock:
+            self._pending = [f for f in self._pending if f not in pending]
+            self._live = [f for f in self._live if not f.done()]
+        errors = [f.exception() for f in pending if f.exception() is not None]
+        if errors and raise_errors:
+            raise errors[0]
         return len(pending)
 
     def take_written(self) -> dict[str, tuple[int, int]]:
@@ -195,6 +218,55 @@ def optimizer_storages(engine) -> set[int]:
     return ptrs
 
 
+class HostStager:
+    """Pinned host buffers for a GPU rank's live checkpoint tensors, and the side stream that
+    copies into them (torch.distributed.checkpoint's staging idea, for DeepSpeed's state dicts).
+
+    The save enqueues every copy on the side stream, after the work already queued on the
+    compute stream (the state at the save's step), and returns; the next optimizer step waits
+    for the copies' event, not for the files, and the writer thread serializes from host
+    memory. The buffers are reused from save to save (the same partitions each time; a rank has
+    one save in flight), so pinned memory stays at this rank's live state, allocated once."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._free: dict[int, list] = {}  # nbytes -> pinned uint8 buffers not in use
+        self._used: list = []
+
+    def begin(self) -> None:
+        """A new save: the previous save's files are written (StagingEngine.create waited)."""
+        for buf in self._used:
+            self._free.setdefault(buf.numel(), []).append(buf)
+        self._used = []
+
+    def copy(self, t):
+        import torch
+
+        nbytes = t.numel() * t.element_size()
+        pool = self._free.get(nbytes)
+        buf = pool.pop() if pool else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._used.append(buf)
+        src = t if t.is_contiguous() else t.contiguous()  # on the compute stream, before the wait below
+        host = buf.view(t.dtype).view(t.shape)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(src, non_blocking=True)
+        if src is not t:
+            src.record_stream(self.stream)  # a temporary: not reused before the copy has read it
+        return host
+
+    def fence(self):
+        """An event recorded after every copy enqueued so far."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+
 class StagingEngine(TorchCheckpointEngine):
     """TorchCheckpointEngine whose save() stages and returns; the writing is `writer`'s.
     `live_storages`: returns the storages written as they are (None: clone everything)."""
@@ -204,6 +276,7 @@ class StagingEngine(TorchCheckpointEngine):
         self.name = "AirayStagingEngine"
         self.writer = writer
         self.live_storages = live_storages
+        self.host: HostStager | None = None  # made at the first save of a CUDA state
         self._live: set[int] = set()
         self.plan = None  # a LoadPlan (airay.checkpoint.loading) while a load is in progress
         self.live_bytes = self.cloned_bytes = 0  # of the last save_checkpoint, for reports and tests
@@ -214,13 +287,27 @@ class StagingEngine(TorchCheckpointEngine):
         self.writer.wait(raise_errors=False)
         self._live = self.live_storages() if self.live_storages is not None else set()
         self.live_bytes = self.cloned_bytes = 0
+        if self.host is not None:
+            self.host.begin()
 
     def save(self, state_dict, path: str):
         counts = {"live": 0, "cloned": 0}
-        staged = stage(state_dict, self._live, counts)
+        host = self._host_stager()
+        staged = stage(state_dict, self._live, counts, host)
         self.live_bytes += counts["live"]
         self.cloned_bytes += counts["cloned"]
-        self.writer.submit(path, staged, live=counts["live"] > 0)
+        if host is not None:  # live tensors were copied to host: the file needs the copy, not the step
+            self.writer.submit(path, staged, live=False, copied=host.fence())
+        else:
+            self.writer.submit(path, staged, live=counts["live"] > 0)
+
+    def _host_stager(self) -> HostStager | None:
+        """On a CUDA rank that writes beside training, the stager of its live tensors."""
+        import torch
+
+        if self.host is None and self._live and torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.host = HostStager(torch.cuda.current_device())
+        return self.host
 
     def load(self, path: str, map_location=None):
         if self.plan is not None:

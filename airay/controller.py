@@ -532,7 +532,9 @@ class Controller:
         if self.feeder is not None:
             self.feeder.seek(candidates[0].step if candidates else 0)
         faults, t_call = self.chaos.call("form", self.step, size), time.time()
-        outcomes, timings = self.group.form(size, self.plans[size], faults)
+        # With a checkpoint to load, the ranks build their models without weights (the load
+        # overwrites every one); should no candidate load after all, the world forms again with them.
+        outcomes, timings = self.group.form(size, self.plans[size], faults, init_weights=not candidates)
         if not self._ok(outcomes, t_call if faults else None, "form"):
             return False
         for found in self.group.foreign_tiers:
@@ -543,6 +545,8 @@ class Controller:
         ckpt = self._load(size, candidates)
         if ckpt is False:
             return False
+        if ckpt is None and candidates:  # every candidate was rejected: weights from the factory
+            return self._form(size, [], t0, old, reason, parts)
         if ckpt is None:
             self.step = 0
         if self.feeder is not None and ckpt is not None and ckpt.step != candidates[0].step:

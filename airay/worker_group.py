@@ -300,10 +300,11 @@ class WorkerGroup:
 
     # ---- forming the world -----------------------------------------------------------------
 
-    def form(self, world_size: int, plan: BatchPlan, faults: dict[int, dict] | None = None
-             ) -> tuple[list[RankOutcome], dict]:
+    def form(self, world_size: int, plan: BatchPlan, faults: dict[int, dict] | None = None,
+             init_weights: bool = True) -> tuple[list[RankOutcome], dict]:
         """Make a world of `world_size`: survivors keep their order, standby workers join after.
-        `faults`: chaos struck in the ranks' joins. A rank that dies or hangs meanwhile (rank 0
+        `faults`: chaos struck in the ranks' joins. `init_weights` False: a checkpoint load
+        follows, so the ranks build their models without weights (airay.worker.build). A rank that dies or hangs meanwhile (rank 0
         picking the rendezvous port included) comes back as its outcome, like one in a round."""
         self.active, self.standby = world_members(self.active, self.standby, world_size)
         assert len(self.active) == world_size, (len(self.active), world_size)
@@ -312,7 +313,8 @@ class WorkerGroup:
         if picked.kind != "ok":
             return [picked] + [RankOutcome(r, "ok") for r in range(1, world_size)], {}
         faults = faults or {}
-        refs = [m.actor.join.remote(rank, world_size, master.info["ip"], ports[0], plan.__dict__, faults.get(rank))
+        refs = [m.actor.join.remote(rank, world_size, master.info["ip"], ports[0], plan.__dict__, faults.get(rank),
+                                    init_weights)
                 for rank, m in enumerate(self.active)]
         outcomes, values = self._gather(refs, self.phase_timeout_s, abort_port=ports[0])
         for m, v in zip(self.active, values):

@@ -69,6 +69,7 @@ class FakeGroup:
         self.script, self.free, self.ready_after, self.nodes = script, capacity, ready_after, nodes
         self.counts: dict[str, int] = {}
         self.calls = []
+        self.formed = []  # (world size, init_weights) of each form
         self.active: list[FakeMember] = []
         self.pending: list[FakeMember] = []
         self.standby: list[FakeMember] = []
@@ -147,6 +148,9 @@ class FakeGroup:
             kind = failing.get(rank)
             if kind is None:
                 out.append(RankOutcome(rank, "ok"))
+            elif kind == "unavailable":  # no good copy of some file of the checkpoint (loading.py)
+                out.append(RankOutcome(rank, "errored", error=f"rank {rank}: scripted: no good copy",
+                                       cause="CheckpointUnavailable"))
             elif kind == "user":
                 out.append(RankOutcome(rank, "errored", error=f"rank {rank}: ValueError: scripted", user_error=True,
                                        cause="UserCodeError"))
@@ -159,9 +163,10 @@ class FakeGroup:
             self.first_failure_ts = time.time()
         return out
 
-    def form(self, world_size: int, plan: BatchPlan, faults=None):
+    def form(self, world_size: int, plan: BatchPlan, faults=None, init_weights=True):
         self.active, self.standby = world_members(self.active, self.standby, world_size)
         self.plan = plan
+        self.formed.append((world_size, init_weights))
         return self._outcomes("form", world_size), {}
 
     def launch(self, start, end, faults, feed=None):

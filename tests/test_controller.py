@@ -108,6 +108,24 @@ def test_a_death_during_form_is_a_recovery_and_the_world_regrows(tmp_path):
     assert ("shutdown", None) in factory.made[0].calls
 
 
+def test_worlds_that_load_a_checkpoint_build_without_weights_unless_none_loads(tmp_path):
+    # Rank 1 dies in round 3 ([10, 15)): the world of 3 loads step 10, so its ranks skip the
+    # factory's weights; at the grow back to 4 as well. A second run finds its checkpoint
+    # unloadable (every copy bad): the world forms again, with weights, and starts at step 0.
+    ctl, factory = controller(tmp_path, {"train": {3: {1: "died"}}}, checkpoint={"every_n_steps": 10},
+                              ready_after=[0, 0, 0, 0, 1])
+    result = ctl.run()
+    assert result.status == "finished" and ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+    formed = factory.made[0].formed
+    assert formed[0] == (4, True) and formed[1] == (3, False) and formed[-1] == (4, False), formed
+    again, factory = controller(tmp_path, {"load": {1: {0: "unavailable"}, 2: {2: "unavailable"}}},
+                                checkpoint={"every_n_steps": 10})
+    result = again.run()
+    assert result.status == "finished" and again.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+    assert factory.made[0].formed[:2] == [(4, False), (4, True)]
+    assert [e["step"] for e in events(again, "checkpoint_rejected")] == [STEPS, 10]
+
+
 def test_a_hang_during_save_resumes_from_the_checkpoint_before(tmp_path):
     ctl, _ = controller(tmp_path, {"save": {2: {1: "hung"}}})  # the save of step 10
     result = ctl.run()

@@ -36,6 +36,9 @@ def paced_build(seed=0, forward_delay_s=0.0, **kwargs):
     return model
 
 
+paced_build.builds_partitioned = True  # through hf.build: transformers partitions it (airay.worker.build)
+
+
 def spec(run_dir, stage, chaos=(), export=False, forward_delay_s=0.0, steps_per_round=4,
          every_n_steps=4):
     model = {"factory": "tests.test_hf:paced_build", "kwargs": {"config": LLAMA, "forward_delay_s": forward_delay_s}} \

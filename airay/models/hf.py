@@ -68,6 +68,30 @@ def build(seed: int = 0, config: dict[str, Any] | None = None, pretrained: str |
     return AutoModelForCausalLM.from_config(config_of(config=config), dtype=torch_dtype)
 
 
+def without_weights(seed: int = 0, config: dict[str, Any] | None = None, pretrained: str | None = None,
+                    dtype: str = "float32", tokenizer: str | None = None):
+    """`build`'s architecture for a checkpoint to fill (a resize, a resumed run): the pretrained
+    folder's weights are not read and nothing is initialised. Under ZeRO-3 (transformers'
+    DeepSpeed integration registered, airay.worker.build) the partitions are allocated, not
+    filled: transformers 5's from_config initialises a ZeRO-3 model afterwards by gathering
+    each module's parameters (`initialize_weights_zero3`), which is skipped here."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+    from transformers import AutoModelForCausalLM
+
+    initialise = hf_deepspeed.initialize_weights_zero3
+    hf_deepspeed.initialize_weights_zero3 = lambda model: None  # imported from here at each call
+    try:
+        return AutoModelForCausalLM.from_config(config_of(config, pretrained), dtype=getattr(torch, dtype))
+    finally:
+        hf_deepspeed.initialize_weights_zero3 = initialise
+
+
+# airay.worker.build: transformers builds these partitioned itself under ZeRO-3.
+build.builds_partitioned = True
+build.without_weights = without_weights
+without_weights.builds_partitioned = True
+
+
 def build_empty(config: dict[str, Any] | None = None, pretrained: str | None = None, **_):
     """The model's architecture in fp32 on the meta device: no memory for weights, none read.
     For export, whose weights come from the checkpoint: one copy of the model in memory, not two."""

@@ -24,7 +24,8 @@ from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_glob
 from airay.worker.device import assign_device
 from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, listen_socket, rendezvous_store, \
     reset_group_count, shutdown_sockets, tcp_socket_fds
-from airay.worker.engine import backward_micro_batch, build_engine
+from airay.worker.build import build_model, hf_zero3, partitioned
+from airay.worker.engine import backward_micro_batch, build_engine, engine_config
 
 
 class UserCodeError(RuntimeError):
@@ -68,6 +69,7 @@ class TrainWorker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.engine = None
+        self._hf_zero3 = None  # transformers' DeepSpeed integration, registered for a ZeRO-3 engine
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
         self._world_sockets: dict[int, int] = {}
@@ -85,6 +87,10 @@ class TrainWorker:
         from airay.checkpoint.staging import Writer
 
         self._ckpt_writer = Writer()  # writes checkpoint files off the step loop (airay.checkpoint.staging)
+        if self.config.zero_stage == 3:  # an import the first build would otherwise make (airay.worker.build)
+            from airay.worker.deepspeed_compat import preload_for_zero_init
+
+            preload_for_zero_init()
         self._saving: dict | None = None  # the save staged last: step, directory, layout
         from concurrent.futures import ThreadPoolExecutor
 
@@ -142,7 +148,9 @@ class TrainWorker:
         """
         t0 = time.perf_counter()
         plan = BatchPlan(1, self.config.micro_batch_size, self.config.micro_batch_size, 1)
-        self.join(0, 1, "127.0.0.1", self.free_port("127.0.0.1"), plan.__dict__)
+        # A stand-in model through the same build and engine path: the user's model in a world of
+        # one would be the whole model on this rank (ZeRO-3 partitions it over one).
+        self.join(0, 1, "127.0.0.1", self.free_port("127.0.0.1"), plan.__dict__, stand_in=True)
         self.leave()
         self.timeline["warm_ts"] = time.time()
         return {**self.ready(), "warmup_s": time.perf_counter() - t0}
@@ -150,9 +158,12 @@ class TrainWorker:
     # ---- world membership ----------------------------------------------------------------
 
     def join(self, rank: int, world_size: int, master_addr: str, master_port: int,
-             plan: dict[str, int], fault: dict | None = None) -> dict[str, float]:
+             plan: dict[str, int], fault: dict | None = None, init_weights: bool = True,
+             stand_in: bool = False) -> dict[str, float]:
         """Leave any old world, join this one and build a fresh engine. Returns timings.
-        `fault`: chaos struck as the join begins (airay.chaos_hook)."""
+        `fault`: chaos struck as the join begins (airay.chaos_hook). `init_weights` False: a
+        checkpoint load follows, so the model is built without its weights (airay.worker.build).
+        `stand_in`: a small stand-in model instead of the user's (warmup)."""
         t0 = time.perf_counter()
         self.leave()
         self._enter("join", -1, fault, rank)
@@ -160,12 +171,12 @@ class TrainWorker:
             raise RuntimeError(f"rank {rank}: the world on port {master_port} was aborted before this rank joined it")
         self._joining_port = master_port
         try:
-            return self._join(rank, world_size, master_addr, master_port, plan, t0)
+            return self._join(rank, world_size, master_addr, master_port, plan, t0, init_weights, stand_in)
         finally:
             self._joining_port = None  # abort_world's rendezvous breaker stops
 
     def _join(self, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict[str, int],
-              t0: float) -> dict[str, float]:
+              t0: float, init_weights: bool, stand_in: bool) -> dict[str, float]:
         import deepspeed
         import deepspeed.comm as dist
         import torch.distributed as tdist
@@ -189,8 +200,11 @@ class TrainWorker:
         t_pg = time.perf_counter()
         self.rank, self.plan = rank, BatchPlan(**plan)
         reset_zero3_globals()
-        model = self._user(self.model_factory, seed=self.config.seed, **self.config.model.kwargs)
-        self.engine = build_engine(model, self.config.deepspeed, self.plan, self.device)
+        cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", False)
+        self._hf_zero3 = hf_zero3(cfg) if partitioned(cfg) else None  # held while the engine lives
+        factory, kwargs = (_stand_in, {}) if stand_in else (self.model_factory, self.config.model.kwargs)
+        model = build_model(factory, kwargs, self.config.seed, cfg, init_weights=init_weights, call=self._user)
+        self.engine = build_engine(model, cfg, self.plan, self.device)
         from airay.checkpoint import staging
 
         staging.install(self.engine, self._ckpt_writer)
@@ -255,6 +269,7 @@ class TrainWorker:
             except Exception as exc:  # a half-broken engine after a peer died; we drop it anyway
                 print(f"airay: rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
             self.engine = None
+        self._hf_zero3 = None
         if tdist.is_available() and tdist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -497,6 +512,14 @@ class TrainWorker:
             if failure_kind(exc) != "user":
                 raise
             raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
+
+
+def _stand_in(seed: int = 0):
+    """warmup's model: a layer, enough for DeepSpeed's first engine build in the process."""
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8))
 
 
 def _catch_sigterm(handler) -> bool:

@@ -73,3 +73,12 @@ def zero3_consolidation_shapes():
             zero_to_fp32.parse_model_states = original
 
     return patched()
+
+
+def preload_for_zero_init() -> None:
+    # zero.Init (deepspeed 0.19) replaces torch.Tensor.__new__ while it is active; torch 2.13's
+    # dynamo checks, when first imported, that its polyfill of Tensor.__new__ has the original's
+    # signature, and fails ("Signature mismatch ... tensor_pynew"). Model code that imports it
+    # lazily (transformers' masking utilities, through a model class resolved inside a user's
+    # factory) would fail inside zero.Init: import it before.
+    import torch._dynamo  # noqa: F401

@@ -27,12 +27,18 @@ def engine_config(base: dict[str, Any], plan: BatchPlan, on_cpu: bool, load_univ
 
 
 def build_engine(model, base_config: dict[str, Any], plan: BatchPlan, device: str, load_universal: bool = False):
-    """A DeepSpeed engine of `model` on `device` for `plan` (the process group is already up)."""
+    """A DeepSpeed engine of `model` on `device` for `plan` (the process group is already up).
+    A model built partitioned (airay.worker.build) is already on its device: moving it would
+    move nothing but the empty tensors that stand for its parameters."""
     import deepspeed
+
+    from airay.worker.build import is_partitioned
 
     mark_universal_checkpoint_info(model)
     cfg = engine_config(base_config, plan, device == "cpu", load_universal)
-    engine, *_ = deepspeed.initialize(model=model.to(device), model_parameters=model.parameters(),
+    if not is_partitioned(model):
+        model = model.to(device)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=cfg, dist_init_required=False)
     return engine
 

@@ -1,0 +1,127 @@
+"""Building the model partitioned (airay.worker.build) on a real world of 4 gloo processes: under
+ZeRO-3 no rank holds the whole model while it is built, the weights are those of the whole
+model built as usual, and a build for a checkpoint to fill initialises nothing."""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.test_reshard import _port
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+# About 25M parameters (101 MB in fp32); its largest layer (an MLP matrix) is 4 MB.
+MODEL = {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 8}
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16}
+
+
+def _peak_rss_during(fn):
+    """(fn(), the process's peak RSS while it ran, less its RSS before): Linux's high-water mark,
+    reset first (/proc/self/clear_refs)."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    out = fn()
+    return out, status("VmHWM") - before
+
+
+def _world(rank, port, results):
+    import deepspeed
+
+    sys.path.insert(0, str(ROOT))
+    from airay.models import hf, tiny_gpt
+    from airay.policy import plan_batch
+    from airay.worker.build import build_model, hf_zero3
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm, preload_for_zero_init, reset_zero3_globals
+    from airay.worker.engine import engine_config
+
+    torch.set_num_threads(1)
+    disable_cpu_shm_comm()
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0"})
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}},
+                        plan_batch(8, 2, WORLD), True, False)
+    preload_for_zero_init()  # an import of ~70 MB, which the workers make before their first build
+    out = {}
+    for name, init in (("init", True), ("for_load", False)):
+        reset_zero3_globals()
+        model, peak = _peak_rss_during(lambda: build_model(tiny_gpt.build, MODEL, 0, cfg, init_weights=init))
+        params = dict(model.named_parameters())
+        out[name] = {"peak": peak, "model_bytes": sum(p.ds_numel * 4 for p in params.values()),
+                     "partitions": {k: (p.ds_tensor.numel(), p.ds_numel, p.numel()) for k, p in params.items()}}
+        if init:  # the partitioned build's weights, gathered, against the whole model built as usual
+            whole, out["whole_peak"] = _peak_rss_during(lambda: tiny_gpt.build(seed=0, **MODEL))
+            with deepspeed.zero.GatheredParameters(list(params.values())):
+                out["equal"] = all(torch.equal(p.data, whole.get_parameter(k)) for k, p in params.items())
+            del whole
+        del model, params
+    keep = hf_zero3(cfg)  # transformers' own zero.Init path, random init and for a load
+    for name, build in (("hf", hf.build), ("hf_for_load", hf.without_weights)):
+        reset_zero3_globals()
+        model = build_model(build, {"config": LLAMA}, 0, cfg, init_weights=name == "hf")
+        out[name] = {k: (p.ds_tensor.numel(), p.ds_numel, p.numel()) for k, p in model.named_parameters()}
+    def unmarked(seed=0, **kwargs):  # a factory of one's own around transformers, not declared
+        return hf.build(seed, **kwargs)
+
+    try:
+        build_model(unmarked, {"config": LLAMA}, 0, cfg)
+        out["unmarked"] = None
+    except TypeError as exc:
+        out["unmarked"] = str(exc)
+    del keep
+    results[rank] = out
+
+
+def test_zero3_builds_each_rank_only_its_partition_with_the_whole_models_weights(monkeypatch):
+    # A fixed mmap threshold: glibc then serves every allocation over 128 KiB from mmap and hands
+    # it back when freed, so the peak RSS follows what the rank holds; glibc's default threshold
+    # moves up with the sizes freed and keeps freed layers in its heap, a few MB either way.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    results = mp.Manager().dict()
+    mp.spawn(_world, args=(_port(), results), nprocs=WORLD)
+    results = dict(results)
+    assert sorted(results) == list(range(WORLD))
+    for rank, r in results.items():
+        for name in ("init", "for_load", "hf", "hf_for_load"):
+            parts = r[name]["partitions"] if name in ("init", "for_load") else r[name]
+            # Every parameter is a partition of ceil(n / world) elements; its full tensor is gone.
+            assert parts and all(local == math.ceil(n / WORLD) and held == 0 for local, n, held in parts.values()), \
+                (rank, name)
+        model_bytes = r["init"]["model_bytes"]
+        assert model_bytes > 90e6
+        # Peak RSS while building: the partition (a quarter) plus a layer, not the model; the same
+        # process building it whole peaks at the model's bytes (the measurement sees a whole build).
+        assert r["init"]["peak"] < 0.5 * model_bytes, (rank, r["init"]["peak"], model_bytes)
+        assert r["for_load"]["peak"] < 0.5 * model_bytes, (rank, r["for_load"]["peak"], model_bytes)
+        assert r["whole_peak"] > 0.9 * model_bytes, (rank, r["whole_peak"])
+        assert r["equal"], rank  # the same initial weights as the whole model from the same seed
+        assert "builds_partitioned = True" in r["unmarked"] and "LlamaForCausalLM" in r["unmarked"]
+
+
+def test_a_build_for_a_checkpoint_leaves_parameters_uninitialised_and_restores_torchs_initialisers():
+    from airay.worker.build import no_weight_init
+
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(64, 64).weight.detach().clone()
+    state = torch.random.get_rng_state()
+    with no_weight_init():
+        layer = torch.nn.Linear(64, 64)
+    assert torch.equal(torch.random.get_rng_state(), state)  # no initialiser drew a random number
+    torch.manual_seed(0)
+    assert torch.equal(torch.nn.Linear(64, 64).weight, expected)  # initialisers are back
+    assert layer.weight.shape == (64, 64)
+    with pytest.raises(RuntimeError), no_weight_init():
+        raise RuntimeError("a factory's error")
+    torch.manual_seed(0)
+    assert torch.equal(torch.nn.Linear(64, 64).weight, expected)  # back after an error too

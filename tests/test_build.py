@@ -22,17 +22,12 @@ LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermedi
 
 
 def _peak_rss_during(fn):
-    """(fn(), the process's peak RSS while it ran, less its RSS before): Linux's high-water mark,
-    reset first (/proc/self/clear_refs)."""
-    def status(key):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    """(fn(), the process's peak RSS while it ran, less its RSS before: airay.worker.memory)."""
+    from airay.worker.memory import peak_since, start_peak
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS")
+    before = start_peak()
     out = fn()
-    return out, status("VmHWM") - before
+    return out, peak_since(before)
 
 
 def _world(rank, port, results):

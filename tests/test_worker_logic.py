@@ -7,7 +7,7 @@ import torch.distributed as tdist
 from airay.policy import BatchPlan
 from airay.worker.device import DeviceError, assign_device, cuda_ordinal
 from airay.worker.dist import failure_kind
-from airay.worker.engine import engine_config
+from airay.worker.engine import engine_config, zero3_memory_defaults
 
 
 def _is_comm_error(exc):
@@ -115,3 +115,16 @@ def test_memory_errors_in_user_code_stay_memory_errors():
         w._user(oom)
     with pytest.raises(UserCodeError, match="rank 3: TypeError: bad arg"):
         w._user(bug)
+
+
+def test_zero3_memory_limits_follow_the_largest_parameter_and_never_override_the_spec():
+    # A 300M-parameter GPT's largest matrix (4 x 1792^2): a bucket of it, not DeepSpeed's 5e8.
+    got = zero3_memory_defaults({"stage": 3}, 12_845_056)
+    assert got == {"reduce_bucket_size": 12_845_056, "stage3_prefetch_bucket_size": 11_560_550,
+                   "stage3_max_live_parameters": 38_535_168, "stage3_max_reuse_distance": 38_535_168}
+    assert zero3_memory_defaults({}, 10)["reduce_bucket_size"] == 1_000_000  # a floor for tiny models
+    huge = zero3_memory_defaults({}, 2_000_000_000)  # a 70B model's embedding: DeepSpeed's own caps
+    assert huge["reduce_bucket_size"] == 500_000_000 and huge["stage3_max_live_parameters"] == 1_000_000_000
+    # What the spec sets stays, under either of DeepSpeed's names.
+    assert set(zero3_memory_defaults({"reduce_bucket_size": 5, "max_live_parameters": 7}, 10**7)) == \
+        {"stage3_prefetch_bucket_size", "stage3_max_reuse_distance"}

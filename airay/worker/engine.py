@@ -26,6 +26,31 @@ def engine_config(base: dict[str, Any], plan: BatchPlan, on_cpu: bool, load_univ
     return cfg
 
 
+# DeepSpeed's defaults (0.19, runtime/zero/config.py) and their names in a config.
+_ZERO3_MEMORY_KEYS = {"reduce_bucket_size": ("reduce_bucket_size",),
+                      "stage3_prefetch_bucket_size": ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+                      "stage3_max_live_parameters": ("stage3_max_live_parameters", "max_live_parameters"),
+                      "stage3_max_reuse_distance": ("stage3_max_reuse_distance", "max_reuse_distance")}
+_DEEPSPEED_MAX = 5e8  # its reduce bucket; its live-parameter and reuse limits are 1e9
+
+
+def zero3_memory_defaults(zero: dict[str, Any], largest_param: int) -> dict[str, int]:
+    """ZeRO-3's bucket and gather limits for this model, where the spec leaves them unset.
+
+    DeepSpeed's defaults are sized for big GPUs whatever the model: every rank allocates a
+    5e8-element reduce bucket when the engine is built (2 GB in fp32), and keeps up to 1e9
+    gathered elements live (a 300M-parameter model stays whole on every rank after its first
+    forward). Here they follow the model's largest parameter, as transformers' "auto" values
+    follow hidden_size squared: a bucket holds the largest parameter (at least 1e6 elements),
+    prefetch 0.9 of it, live parameters and reuse distance three of it, never above
+    DeepSpeed's own. The limits move no number: the same reductions, in smaller pieces."""
+    bucket = int(min(_DEEPSPEED_MAX, max(1e6, largest_param)))
+    wanted = {"reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": int(0.9 * bucket),
+              "stage3_max_live_parameters": int(min(1e9, 3 * bucket)),
+              "stage3_max_reuse_distance": int(min(1e9, 3 * bucket))}
+    return {k: v for k, v in wanted.items() if not any(name in zero for name in _ZERO3_MEMORY_KEYS[k])}
+
+
 def build_engine(model, base_config: dict[str, Any], plan: BatchPlan, device: str, load_universal: bool = False):
     """A DeepSpeed engine of `model` on `device` for `plan` (the process group is already up).
     A model built partitioned (airay.worker.build) is already on its device: moving it would
@@ -38,6 +63,9 @@ def build_engine(model, base_config: dict[str, Any], plan: BatchPlan, device: st
     cfg = engine_config(base_config, plan, device == "cpu", load_universal)
     if not is_partitioned(model):
         model = model.to(device)
+    elif cfg.get("zero_optimization", {}).get("stage") == 3:
+        zero = cfg["zero_optimization"]
+        zero.update(zero3_memory_defaults(zero, max(int(p.ds_numel) for p in model.parameters())))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=cfg, dist_init_required=False)
     return engine

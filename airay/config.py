@@ -191,6 +191,10 @@ class CheckpointSpec(_Spec):
         None, description="the memory tier's base directory on every node (private to you, mode 0700); "
         "default /dev/shm/airay")
     memory_keep_last: int = Field(2, ge=1, description="memory-tier checkpoints kept on each node")
+    chunk_mib: float = Field(
+        8, gt=0, description="every checkpoint file has a CRC-32 per chunk of this many MiB (in the manifest): a "
+        "rank loading at another world size reads and verifies only the chunks that hold its new partition "
+        "(and each old file's first and last chunk, its structure)")
     preemption_grace_s: float = Field(
         30, gt=0, description="after SIGTERM (spot reclaim), the run checkpoints and exits within this long")
     export_hf: bool = Field(
@@ -427,11 +431,9 @@ class JobConfig(_Spec):
         if self.checkpoint.export_hf and self.checkpoint.path and "://" in self.checkpoint.path:
             raise ValueError(f"checkpoint.export_hf reads and writes a directory; checkpoint.path is the URI "
                              f"{self.checkpoint.path}: export afterwards with `airay export` from a local copy")
-        bf16 = bool(self.deepspeed.get("bf16", {}).get("enabled"))
-        if bf16 and self.zero_stage == 0 and len(self.scaling.world_sizes) > 1:
-            raise ValueError("deepspeed bf16 with zero_optimization.stage 0 keeps DeepSpeed's bf16 optimizer, whose "
-                             "checkpoints cannot be resharded to another world size; use zero_optimization.stage 1-3, "
-                             "or a fixed world (scaling.min_workers = max_workers)")
+        unreshardable = unreshardable_layout(self.deepspeed, self.zero_stage)
+        if unreshardable and len(self.scaling.world_sizes) > 1:
+            raise ValueError(f"{unreshardable}, or a fixed world (scaling.min_workers = max_workers)")
         fetch, hang = self.data.fetch_timeout_s, self.timeouts.hang_timeout_s
         if fetch is not None and fetch >= hang:
             raise ValueError(f"data.fetch_timeout_s ({fetch:g}) must be < timeouts.hang_timeout_s ({hang:g}): a rank "
@@ -473,6 +475,31 @@ class JobConfig(_Spec):
     @property
     def zero_stage(self) -> int:
         return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+
+
+def unreshardable_layout(ds: dict[str, Any], stage: int) -> str | None:
+    """Why DeepSpeed config `ds` at ZeRO `stage` writes checkpoints that airay cannot reshard to
+    another world size, naming the key and what to use instead (None: it can). Every other
+    layout is checked bit for bit against DeepSpeed's universal checkpoint (tests/test_reshard.py:
+    fp32 and bf16, ZeRO-1/2/3, BF16_Optimizer, CPU offload, small ZeRO-3 sub-groups); these were
+    found wrong or unreadable there (deepspeed 0.19)."""
+    zero = ds.get("zero_optimization") or {}
+    # DeepSpeed reads "bf16" and, when it is absent, the older "bfloat16".
+    bf16 = bool((ds["bf16"] if "bf16" in ds else ds.get("bfloat16") or {}).get("enabled"))
+    if bf16 and stage == 0:
+        return ("deepspeed bf16 with zero_optimization.stage 0 keeps DeepSpeed's bf16 optimizer, whose checkpoints "
+                "cannot be resharded to another world size; use zero_optimization.stage 1-3")
+    if stage in (1, 2) and zero.get("round_robin_gradients"):
+        # ZeRO-1/2 flatten the parameters in an order that depends on the world size (i % world
+        # first), so the old world's partitions hold other parameters than the new world's
+        # (DeepSpeed's own universal checkpoint gets this layout wrong as well).
+        return ("deepspeed zero_optimization.round_robin_gradients orders each rank's partition by the world size, "
+                "so its checkpoints cannot be resharded to another world size; remove it (or set it false)")
+    if stage in (1, 2) and zero.get("elastic_checkpoint"):
+        return ("deepspeed zero_optimization.elastic_checkpoint saves ZeRO-1/2 optimizer state merged across ranks, "
+                "which airay cannot reshard (nor can DeepSpeed's universal checkpoint); remove it (or set it "
+                "false): airay reshards DeepSpeed's default per-rank checkpoints itself")
+    return None
 
 
 def spec_mapping(path: str | os.PathLike, overrides: list[str] | None = None) -> dict[str, Any]:

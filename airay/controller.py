@@ -565,7 +565,7 @@ class Controller:
                        workers=[{**{k: m.info.get(k) for k in ("node_id", "pid", "device", "gpu_ids", "backend",
                                                                "timeline")},
                                  **{k: m.joined.get(k) for k in ("local_rank", "cuda_visible_devices", "cuda_device",
-                                                                 "engine_device")}}
+                                                                 "engine_device", "build_rss")}}
                                 for m in self.group.active])
         return True
 
@@ -601,7 +601,10 @@ class Controller:
             self.rec.event("checkpoint_loaded", step=self.step, path=ckpt.path, tier=ckpt.tier, world_size=size,
                            saved_world_size=ckpt.world_size, resharded=values[0]["resharded"], copies=copies,
                            load_s=time.time() - t0, fetch_s=max(v["fetch_s"] for v in values),
-                           reshard_s=max(v["reshard_s"] for v in values), bytes_read=sum(v["bytes"] for v in values))
+                           reshard_s=max(v["reshard_s"] for v in values), bytes_read=sum(v["bytes"] for v in values),
+                           bytes_needed=sum(v.get("bytes_needed", v["bytes"]) for v in values),
+                           partial_files=sum(v.get("partial_files", 0) for v in values),
+                           read_vs_needed=max(v["bytes"] / max(1, v.get("bytes_needed", v["bytes"])) for v in values))
             return ckpt
         return None
 

@@ -58,6 +58,23 @@ def test_manifest_round_trip_and_the_files_a_rank_reads():
         Manifest.from_json(json.dumps({"step": 1}))
 
 
+def test_manifest_keeps_each_files_chunk_crcs_and_reads_one_written_without_them():
+    m = Manifest.from_reports(4, 2, 3, JOB, [
+        {"files": {"a.pt": [300, 1]}, "chunks": {"a.pt": [11, 12, 13]}, "chunk_bytes": 128, "layout": {}},
+        {"files": {"b.pt": [100, 2]}, "chunks": {"b.pt": [21]}, "chunk_bytes": 128, "layout": {}}], created=1.0)
+    again = Manifest.from_json(m.to_json())
+    assert again.chunk_bytes == 128 and again.files["a.pt"] == FileEntry(300, 1, 0, [11, 12, 13])
+    assert again.files["b.pt"].chunks == [21]
+    # A manifest of an earlier airay (no chunk CRCs): whole files are read and verified.
+    import json
+
+    old = json.loads(m.to_json())
+    old.pop("chunk_bytes")
+    old["files"] = {n: v[:3] for n, v in old["files"].items()}
+    legacy = Manifest.from_json(json.dumps(old))
+    assert legacy.chunk_bytes == 0 and legacy.files["a.pt"] == FileEntry(300, 1, 0)
+
+
 def test_job_identity_ignores_run_length_and_faults_but_not_the_model():
     a = job_identity("gpt", {"factory": "m:build", "kwargs": {"d_model": 64}}, 2)
     assert a == job_identity("gpt", {"factory": "m:build", "kwargs": {"d_model": 64}}, 2)

@@ -120,8 +120,11 @@ def test_node_loss_then_node_added(tmp_path, local_cluster, baselines):
     # Slower steps (the sleep does not change the math: losses still equal the baseline's) leave
     # the replacement on the new node, a cold process, time to start and warm up before step 60.
     slow = {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.16}}
+    # Checksums per 4 KiB (the partitions are ~100 KB): each new rank reads and verifies only the
+    # chunks of the old partitions it needs, from the surviving nodes' stores.
     result = fit(spec(tmp_path, "node", 2, chaos=[{"fault": "remove_node", "at_step": 7, "rank": 2},
-                                                   {"fault": "add_node", "at_step": 12}], model=slow),
+                                                   {"fault": "add_node", "at_step": 12}], model=slow,
+                      checkpoint={"every_n_steps": 5, "chunk_mib": 4 / 1024}),
                  echo=False, local_cluster=lc)
     assert result.status == "finished" and result.world_sizes == [4, 3, 4]
     lost = events(result, "node_lost")
@@ -129,6 +132,9 @@ def test_node_loss_then_node_added(tmp_path, local_cluster, baselines):
     shrink, grow = events(result, "resize_finished")
     assert (shrink["new_world_size"], shrink["resumed_step"]) == (3, 5)
     assert grow["new_world_size"] == 4 and grow["resumed_step"] >= 12
+    for loaded in events(result, "checkpoint_loaded"):  # the shrink's load and the grow's
+        assert loaded["resharded"] and loaded["partial_files"] >= 4, loaded
+        assert loaded["bytes_needed"] <= loaded["bytes_read"] < 1.5 * loaded["bytes_needed"], loaded
     assert_same_losses(result, baselines[2])
     assert_released()
 

@@ -54,6 +54,7 @@ class FileEntry:
     size: int
     crc32: int
     rank: int
+    chunks: list[int] = field(default_factory=list)  # CRC-32 of each Manifest.chunk_bytes of the file
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Manifest:
     files: dict[str, FileEntry]
     layout: dict[str, Any] = field(default_factory=dict)  # e.g. {"partitions": [...]} (ZeRO-1/2)
     created: float = 0.0
+    chunk_bytes: int = 0  # of the files' chunk CRCs; 0: none (whole files are read and verified)
 
     @property
     def bytes(self) -> int:
@@ -73,8 +75,9 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "step": self.step, "world_size": self.world_size,
                            "zero_stage": self.zero_stage, "job": self.job, "created": self.created,
-                           "layout": self.layout,
-                           "files": {n: [f.size, f.crc32, f.rank] for n, f in sorted(self.files.items())}}, indent=1)
+                           "layout": self.layout, "chunk_bytes": self.chunk_bytes,
+                           "files": {n: [f.size, f.crc32, f.rank, f.chunks] for n, f in sorted(self.files.items())}},
+                          indent=1)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Manifest":
@@ -82,16 +85,20 @@ class Manifest:
         if d.get("format") != FORMAT:
             raise ValueError(f"not an airay {FORMAT} manifest (format {d.get('format')!r})")
         return cls(d["step"], d["world_size"], d["zero_stage"], d["job"],
-                   {n: FileEntry(*v) for n, v in d["files"].items()}, d.get("layout", {}), d.get("created", 0.0))
+                   {n: FileEntry(*v) for n, v in d["files"].items()}, d.get("layout", {}), d.get("created", 0.0),
+                   d.get("chunk_bytes", 0))
 
     @classmethod
     def from_reports(cls, step: int, world_size: int, zero_stage: int, job: dict, reports: list[dict],
                      created: float) -> "Manifest":
-        """The manifest of a save from every rank's report ({"files": {name: [size, crc]}, "layout"})."""
-        files = {n: FileEntry(size, crc, rank) for rank, rep in enumerate(reports)
+        """The manifest of a save from every rank's report ({"files": {name: [size, crc]}, "layout",
+        "chunks": {name: [crc, ...]}, "chunk_bytes"})."""
+        files = {n: FileEntry(size, crc, rank, list(rep.get("chunks", {}).get(n, []))) for rank, rep in enumerate(reports)
                  for n, (size, crc) in rep["files"].items()}
         layout = next((rep["layout"] for rep in reports if rep.get("layout")), {})
-        return cls(step, world_size, zero_stage, job, files, layout, created)
+        chunk_bytes = {rep.get("chunk_bytes", 0) for rep in reports}
+        return cls(step, world_size, zero_stage, job, files, layout, created,
+                   chunk_bytes.pop() if len(chunk_bytes) == 1 else 0)
 
 
 def files_to_load(manifest: Manifest, rank: int, world_size: int, new_layout: dict[str, Any]) -> list[str]:

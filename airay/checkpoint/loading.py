@@ -19,6 +19,8 @@ from pathlib import Path
 
 from airay.checkpoint import reshard
 from airay.checkpoint.layout import Manifest, files_to_load, step_name
+from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_mmap, load_skeleton, \
+    slice_range, storage_range, tensors_in
 
 CHUNK = 64 << 20  # bytes per piece when a file crosses nodes (through the object store) or storage
 
@@ -151,9 +153,7 @@ class LoadPlan:
         return self.world != self.manifest.world_size
 
     def _open(self, name: str):
-        import torch
-
-        return torch.load(self.paths[name], map_location="cpu", mmap=True, weights_only=False)
+        return load_mmap(self.paths[name])
 
     def load(self, name: str):
         m = self.manifest
@@ -169,15 +169,36 @@ class LoadPlan:
             raise KeyError(f"rank {self.rank} asked for {name}, which its load plan does not hold")
         if not self.resharded:
             return self._open(name)
+        refused = reshard.unreshardable(m.layout, self.layout) if m.zero_stage in (1, 2) else None
+        if refused:
+            raise ValueError(refused)
         t0 = time.perf_counter()
-        old = {r: self._open(reshard.optim_file(r, bf16)) for r in self._ranks()}
-        if m.zero_stage == 3:
-            out = reshard.reshard_zero3(old, m.world_size, self.rank, self.world, m.layout, self.layout)
-        else:
-            out = reshard.reshard_zero12(old, m.world_size, self.rank, self.world, m.layout["partitions"],
-                                         self.layout["partitions"], self.layout["totals"])
+        out = self._reshard({r: self._open(reshard.optim_file(r, bf16)) for r in self._ranks()})
         self.reshard_s += time.perf_counter() - t0
         return out
+
+    def _reshard(self, old: dict[int, dict], touch=None) -> dict:
+        m = self.manifest
+        if m.zero_stage == 3:
+            return reshard.reshard_zero3(old, m.world_size, self.rank, self.world, m.layout, self.layout, touch)
+        return reshard.reshard_zero12(old, m.world_size, self.rank, self.world, m.layout["partitions"],
+                                      self.layout["partitions"], self.layout["totals"], touch)
+
+    def needed_ranges(self, meta_of) -> dict[str, list[tuple[int, int]]]:
+        """The byte ranges of each old optimizer file this rank's reshard reads, found by running
+        it dry on the files' structures (`meta_of(name)`: airay.checkpoint.ranges.load_meta):
+        the slices of the old partitions it takes, and, of the first old file (whose other
+        entries the new file copies: step counts, loss scaler, hyperparameters), every storage
+        that is not such a partition."""
+        bf16 = any(n.startswith("bf16_") and "optim_states" in n for n in self.manifest.files)
+        old = {r: meta_of(reshard.optim_file(r, bf16)) for r in self._ranks()}
+        used: dict[int, list] = {r: [] for r in old}
+        self._reshard(old, touch=lambda r, t: used[r].append(slice_range(t)))
+        partitions = {path for r in old for path, t in tensors_in(old[r])  # sliced in some old file
+                      if any(storage_range(t)[0] <= lo and hi <= storage_range(t)[1] for lo, hi in used[r])}
+        first = min(old)
+        used[first] += [storage_range(t) for path, t in tensors_in(old[first]) if path not in partitions]
+        return {reshard.optim_file(r, bf16): ranges for r, ranges in used.items()}
 
     def _ranks(self) -> list[int]:
         m = self.manifest
@@ -192,3 +213,48 @@ def needed_files(manifest: Manifest, rank: int, world_size: int, layout: dict) -
     """The manifest's names of the files this rank reads (bf16 engines name them bf16_...)."""
     names = files_to_load(manifest, rank, world_size, layout)
     return [n if n in manifest.files or f"bf16_{n}" not in manifest.files else f"bf16_{n}" for n in names]
+
+
+def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, names: list[str], source: Source,
+                  sparse_dir: str | os.PathLike) -> tuple[dict[str, str], list[dict], int, int, dict[str, str]]:
+    """For a resharded load from a manifest with chunk CRCs: local copies of the old optimizer
+    files `names` holding just the chunks this rank's reshard reads (airay.checkpoint.ranges),
+    each verified, nearest copy first: the node's own whole file when it has one (read in place),
+    else a sparse copy filled from a peer's store or durable storage. Returns (paths, bad copies
+    met, bytes read, bytes the reshard uses, the kind of copy that served each file most).
+    Raises CheckpointUnavailable when a chunk has no good copy."""
+    import ray
+
+    step = manifest.step
+    copies, fetchers, bad = {}, {}, []
+    storage = None
+    if source.durable is not None:
+        from airay.checkpoint.storage import Storage
+
+        storage = Storage(source.durable)
+    for name in names:
+        f = manifest.files[name]
+        local = Path(source.local_dir) / name
+        whole = local.is_file() and local.stat().st_size == f.size
+        copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes, f.chunks,
+                                   str(local if whole else Path(sparse_dir) / name), whole)
+        fetchers[name] = [(f"peer:{node_id}", lambda off, n, store=store, name=name:
+                           ray.get(store.read.remote(step, name, off, n), timeout=300))
+                          for node_id, store in source.peers.get(name, [])]
+        if storage is not None:
+            fetchers[name].append(("durable", lambda off, n, name=name:
+                                   storage.read_range(f"{step_name(step)}/{name}", off, n)))
+    try:
+        skeletons = {}
+        for name, c in copies.items():
+            skeletons[name], met = load_skeleton(c, fetchers[name])
+            bad += met
+        plan = LoadPlan(manifest, rank, world_size, {n: c.path for n, c in copies.items()}, layout)
+        wanted = plan.needed_ranges(skeletons.__getitem__)
+        for name, ranges in wanted.items():
+            bad += copies[name].ensure(chunks_of(ranges, copies[name].size, manifest.chunk_bytes), fetchers[name])
+    except ChunkUnavailable as exc:
+        raise CheckpointUnavailable(f"{exc} (step {step})", step, bad + exc.bad) from None
+    needed = sum(hi - lo for ranges in wanted.values() for lo, hi in ranges)
+    served = {n: max(c.served, key=c.served.get) if c.served else "local" for n, c in copies.items()}
+    return {n: c.path for n, c in copies.items()}, bad, sum(c.bytes_read for c in copies.values()), needed, served

@@ -6,11 +6,13 @@ touched), and hands it to DeepSpeed's own same-size loader. No rank reads the wh
 process merges it: the plan-at-load idea of torch.distributed.checkpoint, on DeepSpeed's files
 (deepspeed 0.19: runtime/zero/stage_1_and_2.py state_dict, stage3.py _rigid_state_dict).
 
-The layouts (fp32, no offload):
+The layouts (the same whether the model is fp32 or bf16, the optimizer state offloaded to the CPU
+or not: the files hold fp32 masters and optimizer state either way; bf16 engines name them bf16_...):
 - ZeRO-1/2: per parameter group, the parameters are flattened into one vector of `total`
   elements, padded at its end to `partition x world` and cut into equal partitions; a rank's file
   holds its partition of the fp32 master weights (unpadded: the last rank's is shorter) and of
-  each optimizer state (padded).
+  each optimizer state (padded). DeepSpeed's BF16_Optimizer (bf16, ZeRO-1, fp32 gradient
+  accumulation) cuts the same way and saves its masters padded.
 - ZeRO-3: each parameter of n elements is cut into partitions of ceil(n / world) (the last
   padded); the parameters are grouped into sub-groups by their partitions' sizes (so the
   sub-groups themselves change with the world size), and a rank's flat vector per sub-group is
@@ -31,6 +33,21 @@ GROUP_PADDINGS = "group_paddings"
 PARTITION_COUNT = "partition_count"
 FP32_FLAT_GROUPS = "fp32_flat_groups"
 PARAM_SLICE_MAPPINGS = "param_slice_mappings"
+ROUND_ROBIN = "round_robin_gradients"  # a layout_of key, only when DeepSpeed's option is on
+
+
+def unreshardable(old_layout: dict, new_layout: dict) -> str | None:
+    """Why a ZeRO-1/2 checkpoint of `old_layout` cannot be resharded into `new_layout` (None: it
+    can). With round_robin_gradients, DeepSpeed flattens each group's parameters in an order that
+    depends on the world size (parameter i % world first), so partitions cut at one size hold other
+    parameters than at another (DeepSpeed 0.19's universal checkpoint misplaces them too).
+    airay.config refuses the key for a world that can change size; this catches a resumed run whose
+    config changed."""
+    if old_layout.get(ROUND_ROBIN) or new_layout.get(ROUND_ROBIN):
+        return ("a ZeRO-1/2 checkpoint cannot be resharded to another world size with "
+                "zero_optimization.round_robin_gradients (at saving or loading); load it at its own world size, "
+                "or train without round_robin_gradients")
+    return None
 
 
 def optim_file(rank: int, bf16: bool = False) -> str:
@@ -73,10 +90,11 @@ def ranks_needed(zero_stage: int, old_world: int, new_rank: int, new_world: int,
 
 
 def gather(pieces: Callable[[int], object], part: int, old_world: int, lo: int, hi: int, total: int,
-           size: int | None = None):
+           size: int | None = None, touch: Callable[[int, object], None] | None = None):
     """Elements [lo, hi) of a flat vector of `total` elements kept as partitions of `part`
     elements (`pieces(r)`: old rank r's tensor, 1-D), zero-padded to `size` (default hi - lo).
-    Only the overlapping elements are read."""
+    Only the overlapping elements are read; `touch(r, slice)` is told of each slice read (a dry
+    run on meta tensors finds the bytes a load needs: airay.checkpoint.ranges)."""
     import torch
 
     end = min(hi, total)
@@ -84,21 +102,28 @@ def gather(pieces: Callable[[int], object], part: int, old_world: int, lo: int, 
     for r in overlapping(lo, end, part, old_world):
         a, b = max(lo, r * part), min(end, (r + 1) * part)
         out.append(pieces(r)[a - r * part:b - r * part])
+        if touch is not None:
+            touch(r, out[-1])
     size = hi - lo if size is None else size
     have = sum(t.numel() for t in out)
     if have < size:  # padding past the end (optimizer state is fp32 whatever the model's dtype)
-        out.append(torch.zeros(size - have, dtype=out[0].dtype if out else torch.float32))
+        out.append(torch.zeros(size - have, dtype=out[0].dtype if out else torch.float32,
+                               device=out[0].device if out else "cpu"))
     return torch.cat(out).clone() if len(out) > 1 else out[0].clone()
 
 
 def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
-                   partitions: list[int], new_partitions: list[int], totals: list[int]) -> dict:
+                   partitions: list[int], new_partitions: list[int], totals: list[int], touch=None) -> dict:
     """New rank's ZeRO-1/2 optimizer file (the dict DeepSpeed's rigid loader reads) from the old
-    ranks' files `old` (at least those ranks_needed names)."""
+    ranks' files `old` (at least those ranks_needed names). `touch`: as gather's."""
     first = old[min(old)]
     out = dict(first)
     osd = dict(first[OPTIMIZER_STATE_DICT])
     base = osd[BASE_OPTIMIZER_STATE]
+    if not isinstance(base, dict):  # a list of per-group states merged across the ranks
+        raise ValueError("this ZeRO-1/2 checkpoint was saved with zero_optimization.elastic_checkpoint, whose "
+                         "optimizer state airay cannot reshard; load it at its own world size "
+                         f"({old_world}), or save without elastic_checkpoint")
     new_state, fp32 = {}, []
     for g, (part, new_part, total) in enumerate(zip(partitions, new_partitions, totals)):
         lo = new_rank * new_part
@@ -107,13 +132,13 @@ def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_worl
         for key, value in base["state"].get(g, {}).items():
             if hasattr(value, "numel") and value.dim() == 1 and value.numel() == part:
                 new_state[g][key] = gather(lambda r: old[r][OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]["state"][g][key],
-                                           part, old_world, lo, lo + new_part, total)
+                                           part, old_world, lo, lo + new_part, total, touch=touch)
             else:  # per-group scalars (the step count) are the same on every rank
                 new_state[g][key] = copy.deepcopy(value)
         # Saved without padding: the last rank's partition ends at `total`.
         hi = min(lo + new_part, total)
         fp32.append(gather(lambda r: old[r][OPTIMIZER_STATE_DICT][SINGLE_PARTITION_OF_FP32_GROUPS][g],
-                           part, old_world, lo, hi, total))
+                           part, old_world, lo, hi, total, touch=touch))
     osd[BASE_OPTIMIZER_STATE] = {"state": new_state, "param_groups": copy.deepcopy(base["param_groups"])}
     osd[SINGLE_PARTITION_OF_FP32_GROUPS] = fp32
     osd[GROUP_PADDINGS] = [new_part * new_world - total if new_rank == new_world - 1 else 0
@@ -125,7 +150,7 @@ def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_worl
 
 
 def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
-                  old_layout: dict, new_layout: dict) -> dict:
+                  old_layout: dict, new_layout: dict, touch=None) -> dict:
     """New rank's ZeRO-3 optimizer file from the old ranks' files `old` (at least ranks_needed's).
 
     DeepSpeed cuts each parameter group's parameters into sub-groups of about `sub_group_size`
@@ -150,7 +175,7 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
             g_old, at = where[k]
             c, c_new = math.ceil(n / old_world), math.ceil(n / new_world)
             lo = new_rank * c_new
-            parts.append(gather(lambda r: flat_of(r, g_old)[at:at + c], c, old_world, lo, lo + c_new, n))
+            parts.append(gather(lambda r: flat_of(r, g_old)[at:at + c], c, old_world, lo, lo + c_new, n, touch=touch))
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def old_state(r: int, g: int) -> dict:
@@ -198,10 +223,18 @@ def layout_of(engine) -> dict:
     each group's partition and unpadded total elements; ZeRO-3, each sub-group's parameter
     sizes. Read from the engine's own optimizer (deepspeed 0.19 attributes)."""
     opt, stage = engine.optimizer, engine.zero_optimization_stage()
+    if stage == 1 and hasattr(opt, "fp32_groups_flat_partition"):
+        # DeepSpeed's BF16_Optimizer (bf16, ZeRO-1, fp32 gradient accumulation): ZeRO-1's cut
+        # under other names; it saves its fp32 partitions padded, which gather reads past.
+        return {"partitions": [int(t.numel()) for t in opt.fp32_groups_flat_partition],
+                "totals": [sum(int(p.numel()) for p in group) for group in opt.bf16_groups]}
     if stage in (1, 2):
         paddings = getattr(opt, "round_robin_bit16_padding", None) or [[] for _ in opt.bit16_groups]
-        return {"partitions": [int(t.numel()) for t in opt.single_partition_of_fp32_groups],
-                "totals": [sum(int(p.numel()) for p in group) + sum(pad) for group, pad in zip(opt.bit16_groups, paddings)]}
+        layout = {"partitions": [int(t.numel()) for t in opt.single_partition_of_fp32_groups],
+                  "totals": [sum(int(p.numel()) for p in group) + sum(pad) for group, pad in zip(opt.bit16_groups, paddings)]}
+        if getattr(opt, "round_robin_gradients", False):  # the flat order depends on the world size
+            layout[ROUND_ROBIN] = True
+        return layout
     if stage == 3:
         return {"param_numels": [[int(p.ds_numel) for p in group] for group in opt.fp16_groups],
                 "param_groups": [int(opt.sub_group_to_group_id[g]) for g in range(len(opt.fp16_groups))]}

@@ -33,17 +33,31 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 
 class CrcFile:
-    """A binary file being written, whose size and CRC-32 are kept as it goes."""
+    """A binary file being written, whose size and CRC-32 are kept as it goes, and the CRC-32 of
+    each `chunk_bytes` of it (so a reader of part of the file verifies the chunks it reads)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, chunk_bytes: int = 8 << 20):
         self.f = open(path, "wb")
         self.crc, self.size = 0, 0
+        self.chunk_bytes, self.chunks, self._chunk_crc = chunk_bytes, [], 0
 
     def write(self, data) -> int:
         self.crc = zlib.crc32(data, self.crc)
+        view, pos = memoryview(data).cast("B"), 0
+        while pos < len(view):  # the chunk CRCs: cut at every chunk boundary of the file
+            take = min(len(view) - pos, self.chunk_bytes - (self.size + pos) % self.chunk_bytes)
+            self._chunk_crc = zlib.crc32(view[pos:pos + take], self._chunk_crc)
+            pos += take
+            if (self.size + pos) % self.chunk_bytes == 0:
+                self.chunks.append(self._chunk_crc)
+                self._chunk_crc = 0
         n = self.f.write(data)
         self.size += n
         return n
+
+    def chunk_crcs(self) -> list[int]:
+        """CRC-32 of each chunk, the last one partial (none for an empty file)."""
+        return self.chunks + ([self._chunk_crc] if self.size % self.chunk_bytes else [])
 
     def flush(self) -> None:
         self.f.flush()
@@ -104,13 +118,15 @@ class Writer:
     """One background thread that lives as long as the worker process (engines come and go with
     world changes; pending files must not go with them) and writes queued state dicts in order."""
 
-    def __init__(self):
+    def __init__(self, chunk_bytes: int = 8 << 20):
+        self.chunk_bytes = chunk_bytes  # of the chunk CRCs (checkpoint.chunk_mib)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-writer")
         self._pending: list[Future] = []
         self._live: list[Future] = []  # writes that read tensors the optimizer step will change
         self._copies: list = []  # device-to-host copies of live tensors (CUDA events) not yet waited for
         self._wait_s = 0.0
         self._written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32) since take_written
+        self._chunks: dict[str, list[int]] = {}  # path -> its chunk CRCs, since take_written
         self._lock = threading.Lock()
 
     def submit(self, path: str, state, live: bool, copied=None) -> None:
@@ -126,13 +142,14 @@ class Writer:
             # torch's own per-record CRC-32 is redundant with the file's (CrcFile), which the
             # manifest holds and every load checks: skip it (a quarter of a save's CPU time).
             config.save.compute_crc32 = False
-            f = CrcFile(path)
+            f = CrcFile(path, self.chunk_bytes)
             try:
                 torch.save(state, f)
             finally:
                 f.close()
             with self._lock:
                 self._written[path] = (f.size, f.crc)
+                self._chunks[path] = f.chunk_crcs()
 
         with self._lock:
             future = self._pool.submit(write)
@@ -192,6 +209,12 @@ class Writer:
         with self._lock:
             written, self._written = self._written, {}
         return written
+
+    def take_chunks(self) -> dict[str, list[int]]:
+        """The chunk CRCs (of `chunk_bytes` each) of each file written since the last call, by path."""
+        with self._lock:
+            chunks, self._chunks = self._chunks, {}
+        return chunks
 
 
 def optimizer_storages(engine) -> set[int]:

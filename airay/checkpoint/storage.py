@@ -139,6 +139,11 @@ class Storage:
                 crc, size = zlib.crc32(chunk, crc), size + len(chunk)
         return size, crc
 
+    def read_range(self, rel: str, offset: int, size: int) -> bytes:
+        """`size` bytes of `rel` from `offset` (fewer past its end): a ranged read on object stores."""
+        with self.fs.open_input_file(self.full(rel)) as f:
+            return f.read_at(size, offset)
+
     def download_file(self, rel: str, dest: str | os.PathLike) -> tuple[int, int]:
         """Copy `rel` into the local file `dest`; returns (size, crc32) of what arrived."""
         crc, size = 0, 0

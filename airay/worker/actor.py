@@ -86,7 +86,8 @@ class TrainWorker:
         self._preempted_at: float | None = None
         from airay.checkpoint.staging import Writer
 
-        self._ckpt_writer = Writer()  # writes checkpoint files off the step loop (airay.checkpoint.staging)
+        # Writes checkpoint files off the step loop (airay.checkpoint.staging).
+        self._ckpt_writer = Writer(int(self.config.checkpoint.chunk_mib * 2**20))
         if self.config.zero_stage == 3:  # an import the first build would otherwise make (airay.worker.build)
             from airay.worker.deepspeed_compat import preload_for_zero_init
 
@@ -200,13 +201,20 @@ class TrainWorker:
         t_pg = time.perf_counter()
         self.rank, self.plan = rank, BatchPlan(**plan)
         reset_zero3_globals()
+        from airay.worker.memory import peak_since, start_peak
+
+        rss_before = start_peak()
         cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", False)
         self._hf_zero3 = hf_zero3(cfg) if partitioned(cfg) else None  # held while the engine lives
         factory, kwargs = (_stand_in, {}) if stand_in else (self.model_factory, self.config.model.kwargs)
         model = build_model(factory, kwargs, self.config.seed, cfg, init_weights=init_weights, call=self._user)
+        model_rss, rss_before = peak_since(rss_before), start_peak()
         self.engine = build_engine(model, cfg, self.plan, self.device)
         from airay.checkpoint import staging
 
+        # Their peak cost in host memory: the model (its partition, under ZeRO-3), then the engine
+        # (optimizer state, gradient partitions, buffers).
+        build_rss = {"model": model_rss, "engine": peak_since(rss_before)}
         staging.install(self.engine, self._ckpt_writer)
         self._at(-1, 3, "join")
         dist.barrier()
@@ -218,7 +226,8 @@ class TrainWorker:
         # What this rank handed torch and DeepSpeed, read back from where they read it.
         handed = {"local_rank": int(os.environ["LOCAL_RANK"]), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "cuda_device": self.assigned.cuda_device, "engine_device": str(self.engine.device)}
-        return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0, **handed}
+        return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0, "build_rss": build_rss,
+                **handed}
 
     @ray.method(concurrency_group="control")
     def abort_world(self, rendezvous_port: int | None = None) -> int:
@@ -296,6 +305,7 @@ class TrainWorker:
         # A save whose world broke before it was persisted may still be writing: let it finish.
         self._ckpt_writer.wait(raise_errors=False)
         self._ckpt_writer.take_written()
+        self._ckpt_writer.take_chunks()
         root = node_dir(memory_base, self.node_id)
         self.engine.save_checkpoint(save_dir=str(root), tag=step_name(step),
                                     client_state={"airay_step": step, "airay_data": data_position},
@@ -318,6 +328,7 @@ class TrainWorker:
             raise RuntimeError(f"rank {self.rank} has no save of step {step} to persist")
         self._ckpt_writer.wait()  # the files are complete (a failed write fails this save)
         written = {Path(p).name: list(v) for p, v in self._ckpt_writer.take_written().items()}
+        chunks = {Path(p).name: v for p, v in self._ckpt_writer.take_chunks().items()}
         write_s = time.perf_counter() - saving["t0"]
         self._persisted[step] = {"dir": saving["dir"], "files": written}
         for old in sorted(self._persisted)[:-4]:  # what later uploads may still need, no more
@@ -325,7 +336,8 @@ class TrainWorker:
         copied = self._take_copies()
         if peer is not None:
             self._copying[step] = self._copier.submit(self._copy_to_peer, step, saving["dir"], written, peer, peer_node)
-        return {"files": written, "layout": saving["layout"], "node_id": self.node_id,
+        return {"files": written, "chunks": chunks, "chunk_bytes": self._ckpt_writer.chunk_bytes,
+                "layout": saving["layout"], "node_id": self.node_id,
                 "peer_node": peer_node if peer is not None else None, "write_s": write_s, "copied": copied}
 
     def _copy_to_peer(self, step: int, directory: str, written: dict, peer, peer_node: str) -> dict[str, Any]:
@@ -373,9 +385,11 @@ class TrainWorker:
         (no collective: a rank that finds no good copy fails alone, and every rank gives the
         step up). Returns which copies served and which were bad."""
         from airay.checkpoint.layout import Manifest, step_name
-        from airay.checkpoint.loading import LoadPlan, Source, fetch_verified, needed_files
+        import shutil
+
+        from airay.checkpoint.loading import LoadPlan, Source, fetch_partial, fetch_verified, needed_files
         from airay.checkpoint.reshard import layout_of
-        from airay.checkpoint.tiers import node_dir
+        from airay.checkpoint.tiers import node_dir, scratch_dir
 
         t0 = time.perf_counter()
         manifest = Manifest.from_json(spec["manifest"])
@@ -384,15 +398,32 @@ class TrainWorker:
                         {n: [(node, store) for node, store in holders if node != self.node_id]
                          for n, holders in spec["peers"].items()}, spec["durable"])
         paths, copies, bad = {}, {"local": 0, "peer": 0, "durable": 0}, []
-        for i, name in enumerate(needed_files(manifest, self.rank, self.plan.world_size, layout)):
+        names = needed_files(manifest, self.rank, self.plan.world_size, layout)
+        # At another world size, old partitions are read in part, chunk by verified chunk, when
+        # the manifest has chunk CRCs (airay.checkpoint.ranges); whole files otherwise.
+        partial = [n for n in names if "optim_states" in n] \
+            if manifest.chunk_bytes and manifest.world_size != self.plan.world_size else []
+        for i, name in enumerate(n for n in names if n not in partial):
             self._at(spec["step"], i, "fetch")  # progress for the driver's hang watch, file by file
             f = manifest.files[name]
             paths[name], copy, met = fetch_verified(name, (f.size, f.crc32), source, spec["step"])
             copies[copy] += 1
             bad += met
+        read = sum(manifest.files[n].size for n in paths)
+        needed = read
+        if partial:
+            self._at(spec["step"], len(paths), "fetch")
+            shutil.rmtree(scratch_dir() / "sparse", ignore_errors=True)
+            got, met, part_read, part_needed, served = fetch_partial(
+                manifest, self.rank, self.plan.world_size, layout, partial, source, scratch_dir() / "sparse")
+            paths.update(got)
+            bad += met
+            for kind in served.values():
+                copies[kind] += 1
+            read, needed = read + part_read, needed + part_needed
         self._load_plan = LoadPlan(manifest, self.rank, self.plan.world_size, paths, layout)
         return {"copies": copies, "bad": bad, "files": sorted(paths), "fetch_s": time.perf_counter() - t0,
-                "bytes": sum(manifest.files[n].size for n in paths)}
+                "bytes": read, "bytes_needed": needed, "partial_files": len(partial)}
 
     def load(self, step: int, fault: dict | None = None) -> dict[str, Any]:
         """Load the checkpoint prepare_load found (DeepSpeed's own loader, its reads resharded to
@@ -417,6 +448,7 @@ class TrainWorker:
         finally:
             self.engine.checkpoint_engine.plan = None
             shutil.rmtree(stage_dir, ignore_errors=True)
+            shutil.rmtree(scratch_dir() / "sparse", ignore_errors=True)  # prepare_load's partial copies
         self._ckpt_writer.take_wait()  # a wait inside load_checkpoint is load time, not a step's
         if load_path is None:
             raise RuntimeError(f"DeepSpeed loaded no checkpoint of step {step}")

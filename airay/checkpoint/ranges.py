@@ -1,0 +1,181 @@
+"""Reading only the parts of old partitions a resharded load needs, each chunk verified.
+
+A rank of a new world needs a range of each overlapping old rank's optimizer partition (its fp32
+master slice and moments), not the whole file: at 70B parameters on 64 ranks, whole files would
+be about 26 GB read per rank. The writer records a CRC-32 per chunk of every file
+(staging.CrcFile, `checkpoint.chunk_mib`), so a reader fetches and verifies just the chunks it
+touches, into a sparse local copy (the rest are holes):
+
+1. the file's skeleton: its first and last chunks, which hold torch.save's pickle (the structure
+   and every storage's place) and the zip directory (more of each end if they do not);
+2. the structure loaded on the meta device (`torch.load(map_location="meta")`: each storage knows
+   its offset in the file, `_checkpoint_offset`), and the reshard run on it dry, recording the
+   slices it reads (reshard.recording);
+3. the chunks holding those slices; then the real reshard reads the sparse copy through mmap,
+   touching only them (torch computes storage offsets from the pickle instead of reading each
+   record's header: `calculate_storage_offsets`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+def chunks_of(ranges: list[tuple[int, int]], size: int, chunk_bytes: int) -> list[int]:
+    """Indices of the chunks of a `size`-byte file that the byte ranges [lo, hi) touch."""
+    need: set[int] = set()
+    for lo, hi in ranges:
+        lo, hi = max(0, lo), min(size, hi)
+        if hi > lo:
+            need.update(range(lo // chunk_bytes, (hi - 1) // chunk_bytes + 1))
+    return sorted(need)
+
+
+def slice_range(t) -> tuple[int, int]:
+    """Bytes [lo, hi) of its file that a slice of a tensor loaded on the meta device covers."""
+    start = t.untyped_storage()._checkpoint_offset + t.storage_offset() * t.element_size()
+    return start, start + t.numel() * t.element_size()
+
+
+def load_meta(path: str | os.PathLike):
+    """A torch.save file's structure, tensors on the meta device (no storage bytes read)."""
+    import torch
+
+    return torch.load(path, map_location="meta", weights_only=False)
+
+
+def load_mmap(path: str | os.PathLike):
+    """A torch.save file, its storages mapped, not read: only the bytes used are touched. The
+    storages' offsets come from the pickle (not from each record's header, which may lie in a
+    chunk a sparse copy does not hold)."""
+    import torch
+    from torch.utils.serialization import config
+
+    with _storage_offsets_calculated(config):
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
+@contextlib.contextmanager
+def _storage_offsets_calculated(config):
+    before = config.load.calculate_storage_offsets
+    config.load.calculate_storage_offsets = True
+    try:
+        yield
+    finally:
+        config.load.calculate_storage_offsets = before
+
+
+@dataclass
+class ChunkedCopy:
+    """A local copy of part of a checkpoint file: `path` (the file itself when this node holds it
+    whole, else a sparse file of the same size), and the chunks verified in it so far.
+    `fetch(i)`: chunk i's bytes from the next copy to try (a peer's store, durable storage);
+    raises when none is left."""
+
+    name: str
+    size: int
+    chunk_bytes: int
+    crcs: list[int]
+    path: str
+    whole_local: bool
+    verified: set[int] = field(default_factory=set)
+    wanted: set[int] = field(default_factory=set)  # every chunk asked for so far
+    bytes_read: int = 0
+    served: dict[str, int] = field(default_factory=dict)  # chunks verified, by the kind of copy (local, peer, durable)
+
+    def ensure(self, chunks: list[int], fetchers: list) -> list[dict]:
+        """Make `chunks` present and verified, from the node's whole copy when it has one, else
+        from each of `fetchers` ((label, fetch(offset, size) -> bytes)) in turn; returns the bad
+        copies met. A bad chunk in the node's copy moves every chunk to a sparse copy. Raises
+        ChunkUnavailable when a chunk has no good copy."""
+        bad: list[dict] = []
+        self.wanted.update(chunks)
+        for i in sorted(self.wanted - self.verified):
+            lo, hi = i * self.chunk_bytes, min(self.size, (i + 1) * self.chunk_bytes)
+            sources = [("local", self._read_local)] if self.whole_local else list(fetchers)
+            for label, fetch in sources:
+                try:
+                    data = fetch(lo, hi - lo)
+                except Exception as exc:  # the peer or storage is gone: the next copy
+                    bad.append({"file": self.name, "copy": label, "reason": f"chunk {i}: {type(exc).__name__}: {exc}"})
+                    continue
+                self.bytes_read += len(data)
+                if len(data) == hi - lo and zlib.crc32(data) == self.crcs[i]:
+                    if label != "local":
+                        self._write(lo, data)
+                    self.verified.add(i)
+                    kind = label.split(":")[0]
+                    self.served[kind] = self.served.get(kind, 0) + 1
+                    break
+                bad.append({"file": self.name, "copy": label,
+                            "reason": f"chunk {i}: {len(data)} bytes, crc32 {zlib.crc32(data):#010x}; manifest says "
+                                      f"{hi - lo} bytes, crc32 {self.crcs[i]:#010x}"})
+            else:
+                if self.whole_local:  # the node's copy is bad here: every chunk from elsewhere
+                    self.whole_local, self.path, self.verified, self.served = False, self.path + ".sparse", set(), {}
+                    return bad + self.ensure([], fetchers)
+                raise ChunkUnavailable(self.name, i, bad)
+        return bad
+
+    def _read_local(self, offset: int, size: int) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    def _write(self, offset: int, data: bytes) -> None:
+        if not os.path.exists(self.path):
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "wb") as f:
+                f.truncate(self.size)  # holes: no bytes stored, zeros if read
+        with open(self.path, "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+
+
+def load_skeleton(copy: "ChunkedCopy", fetchers: list):
+    """The structure of `copy`'s file (load_meta), from its first and last chunks, and more of
+    each end while that is not enough; returns (structure, bad copies met)."""
+    n = -(-copy.size // copy.chunk_bytes)
+    bad, k = [], 1
+    while True:
+        bad += copy.ensure(sorted({*range(min(k, n)), *range(max(0, n - k), n)}), fetchers)
+        try:
+            return load_meta(copy.path), bad
+        except Exception as exc:  # the pickle or the zip directory reaches past the chunks held
+            if 2 * k >= n:
+                raise ChunkUnavailable(copy.name, -1, bad + [{"file": copy.name, "copy": "verified chunks",
+                                                              "reason": f"not a torch.save file: {exc}"}]) from exc
+            k *= 2
+
+
+def tensors_in(item, path: str = ""):
+    """(path, tensor) of every tensor in a loaded state dict: containers, and the attributes of
+    other objects (DeepSpeed's loss scaler). Paths are alike in every rank's file."""
+    import torch
+
+    if torch.is_tensor(item):
+        yield path, item
+    elif isinstance(item, dict):
+        for k, v in item.items():
+            yield from tensors_in(v, f"{path}/{k}")
+    elif isinstance(item, (list, tuple)):
+        for i, v in enumerate(item):
+            yield from tensors_in(v, f"{path}/{i}")
+    elif hasattr(item, "__dict__") and not isinstance(item, type):
+        yield from tensors_in(vars(item), f"{path}.")
+
+
+def storage_range(t) -> tuple[int, int]:
+    """Bytes [lo, hi) of its file that a meta-loaded tensor's whole storage covers."""
+    storage = t.untyped_storage()
+    return storage._checkpoint_offset, storage._checkpoint_offset + storage.nbytes()
+
+
+class ChunkUnavailable(Exception):
+    def __init__(self, name: str, chunk: int, bad: list[dict]):
+        super().__init__(f"no good copy of {f'chunk {chunk}' if chunk >= 0 else 'the structure'} of {name}: "
+                         + "; ".join(f"{b['copy']}: {b['reason']}" for b in bad))
+        self.name, self.chunk, self.bad = name, chunk, bad

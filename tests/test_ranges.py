@@ -1,0 +1,112 @@
+"""Resharded loads that read only the chunks they need (airay.checkpoint.ranges): DeepSpeed's real
+files, a new world's real layouts, each new rank's partition built from sparse copies holding
+only the verified chunks its reshard touches, equal to the one built from the whole files."""
+
+import json
+import random
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_skeleton
+from airay.checkpoint.staging import CrcFile
+from tests.test_reshard import SMALL_SUB_GROUPS, _engine, _port, _save_world
+
+CHUNK = 4096  # the tiny GPT's partitions are tens of KB: chunks of 4 KiB stand for 64 MiB ones
+
+
+def chunk_crcs(data: bytes, chunk: int = CHUNK) -> list[int]:
+    return [zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)]
+
+
+def test_crc_file_keeps_a_crc_per_chunk_however_the_writes_fall():
+    data = random.Random(0).randbytes(10_000)
+    for chunk in (7, 1000, 4096, 20_000):
+        f = CrcFile("/dev/null", chunk)
+        pos, rng = 0, random.Random(chunk)
+        while pos < len(data):
+            n = rng.randint(1, 3000)
+            f.write(data[pos:pos + n])
+            pos += n
+        f.close()
+        assert f.chunk_crcs() == chunk_crcs(data, chunk) and (f.size, f.crc) == (len(data), zlib.crc32(data))
+
+
+def test_a_chunked_copy_verifies_each_chunk_and_falls_back_to_the_next_copy(tmp_path):
+    data = random.Random(1).randbytes(3 * CHUNK + 100)
+    bad = bytearray(data)
+    bad[CHUNK + 5] ^= 0xFF  # chunk 1 of the peer's copy is corrupt
+    peer = ("peer:n1", lambda off, n: bytes(bad[off:off + n]))
+    durable = ("durable", lambda off, n: data[off:off + n])
+    copy = ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), str(tmp_path / "f.pt.sparse"), False)
+    met = copy.ensure(chunks_of([(CHUNK - 10, CHUNK + 10)], len(data), CHUNK), [peer, durable])
+    assert sorted(copy.verified) == [0, 1] and [(b["copy"], b["reason"][:7]) for b in met] == [("peer:n1", "chunk 1")]
+    held = Path(copy.path).read_bytes()
+    assert len(held) == len(data) and held[:2 * CHUNK] == data[:2 * CHUNK] and held[2 * CHUNK:] == bytes(CHUNK + 100)
+    assert copy.bytes_read == 3 * CHUNK  # chunk 0 once, chunk 1 twice (the bad copy, then the good one)
+    with pytest.raises(ChunkUnavailable, match="chunk 1 of f.pt"):
+        ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), str(tmp_path / "g"), False).ensure([1], [peer])
+    # The node's own whole copy serves in place; a bad chunk of it moves every chunk to a sparse copy.
+    local = tmp_path / "local.pt"
+    local.write_bytes(bytes(bad))
+    copy = ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), str(local), True)
+    assert copy.ensure([0], [durable]) == [] and copy.path == str(local)
+    assert [b["copy"] for b in copy.ensure([1], [durable])] == ["local"]
+    assert copy.path == str(local) + ".sparse" and sorted(copy.verified) == [0, 1]
+    assert Path(copy.path).read_bytes()[:2 * CHUNK] == data[:2 * CHUNK]
+
+
+def _new_rank(rank, world, stage, port, out, zero, results):
+    """A rank of the new world: its engine's layout, then its partition resharded from whole files
+    and from sparse copies of only the chunks it needs."""
+    from airay.checkpoint.layout import FileEntry, Manifest
+    from airay.checkpoint.loading import LoadPlan, needed_files
+    from airay.checkpoint.ranges import tensors_in
+    from airay.checkpoint.reshard import layout_of
+
+    old = Path(out, "ck")
+    names = sorted(p.name for p in old.iterdir() if p.name.endswith(".pt"))
+    files = {n: FileEntry(len(d), zlib.crc32(d), 0, chunk_crcs(d)) for n in names for d in [(old / n).read_bytes()]}
+    old_world = len([n for n in names if "optim_states" in n])
+    manifest = Manifest(0, old_world, stage, {}, files, json.loads(Path(out, "layout.json").read_text()),
+                        chunk_bytes=CHUNK)
+    engine, _ = _engine(rank, world, stage, port, extra=zero)
+    layout = layout_of(engine)
+    need = [n for n in needed_files(manifest, rank, world, layout) if "optim_states" in n]
+    copies = {n: ChunkedCopy(n, files[n].size, CHUNK, files[n].chunks, f"{out}/sparse-{rank}/{n}", False) for n in need}
+    fetch = {n: [("peer", lambda off, size, n=n: (old / n).read_bytes()[off:off + size])] for n in need}
+    skeletons = {n: load_skeleton(c, fetch[n])[0] for n, c in copies.items()}
+    sparse = LoadPlan(manifest, rank, world, {n: c.path for n, c in copies.items()}, layout)
+    wanted = sparse.needed_ranges(skeletons.__getitem__)
+    for n, ranges in wanted.items():
+        copies[n].ensure(chunks_of(ranges, copies[n].size, CHUNK), fetch[n])
+    whole = LoadPlan(manifest, rank, world, {n: str(old / n) for n in need}, layout)
+    name = [n for n in need if f"pp_rank_{rank}_" in n] or need
+    own = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    a, b = dict(tensors_in(sparse.load(own))), dict(tensors_in(whole.load(own)))
+    # What reading exactly the chunks of the skeleton and of the ranges costs (the last chunk may be short).
+    touched = {n: set(chunks_of(wanted.get(n, []), c.size, CHUNK)) | {0, (c.size - 1) // CHUNK}
+               for n, c in copies.items()}
+    expect = sum(min(CHUNK, c.size - i * CHUNK) for n, c in copies.items() for i in touched[n])
+    results[rank] = {"equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "expect": expect,
+                     "read": sum(c.bytes_read for c in copies.values()), "files": sum(c.size for c in copies.values()),
+                     "needed": sum(hi - lo for ranges in wanted.values() for lo, hi in ranges), "name": name}
+
+
+@pytest.mark.parametrize("stage,zero", [(2, None), (3, SMALL_SUB_GROUPS)], ids=["zero2", "zero3-subgroups"])
+def test_a_resharded_load_reads_only_the_chunks_it_needs_and_builds_the_same_partition(tmp_path, stage, zero):
+    out = str(tmp_path)
+    mp.spawn(_save_world, args=(4, stage, _port(), out, zero), nprocs=4)
+    results = mp.Manager().dict()
+    mp.spawn(_new_rank, args=(3, stage, _port(), out, zero, results), nprocs=3)
+    results = dict(results)
+    assert sorted(results) == [0, 1, 2]
+    for rank, r in results.items():
+        assert r["equal"], rank  # the same new partition, moments and scalars as from the whole files
+        # Every byte used was read, and no chunk but those holding them and the files' skeletons.
+        assert r["needed"] <= r["read"] == r["expect"], (rank, r)
+        if stage == 2:  # a third of the state, contiguous in two old files: well under their bytes
+            assert r["read"] < 0.8 * r["files"], (rank, r)

@@ -120,3 +120,44 @@ def test_a_build_for_a_checkpoint_leaves_parameters_uninitialised_and_restores_t
         raise RuntimeError("a factory's error")
     torch.manual_seed(0)
     assert torch.equal(torch.nn.Linear(64, 64).weight, expected)  # back after an error too
+
+
+def _rebuild(rank, port, stage, results):
+    import gc
+    import weakref
+
+    import deepspeed
+
+    sys.path.insert(0, str(ROOT))
+    from airay.models import tiny_gpt
+    from airay.policy import plan_batch
+    from airay.worker.build import build_model
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm, preload_for_zero_init, reset_zero3_globals
+    from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
+
+    torch.set_num_threads(1)
+    disable_cpu_shm_comm()
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    preload_for_zero_init()
+    plan = plan_batch(2, 2, 1)
+    cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}},
+                        plan, True, False)
+    reset_zero3_globals()
+    engine = build_engine(build_model(tiny_gpt.build, {"d_model": 64, "n_layers": 2}, 0, cfg), cfg, plan, "cpu")
+    backward_micro_batch(engine, tiny_gpt.loss(engine, {"tokens": torch.randint(0, 256, (2, 9))}), 2, plan)
+    dropped = [weakref.ref(engine), weakref.ref(engine.optimizer), weakref.ref(engine.module)]
+    drop_engine(engine)
+    del engine
+    gc.collect()
+    results[stage] = [ref() is None for ref in dropped]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_dropped_engine_is_freed_so_a_resize_does_not_keep_the_world_befores_state(stage):
+    # Each resize builds a new engine in the same process: the one before must go (ZeRO-3 kept
+    # it alive through DeepSpeed's module stack: a whole engine's state more per rank per resize).
+    results = mp.Manager().dict()
+    mp.spawn(_rebuild, args=(_port(), stage, results), nprocs=1)
+    assert results[stage] == [True, True, True]  # engine, optimizer (and its state), module

@@ -25,7 +25,7 @@ from airay.worker.device import assign_device
 from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, listen_socket, rendezvous_store, \
     reset_group_count, shutdown_sockets, tcp_socket_fds
 from airay.worker.build import build_model, hf_zero3, partitioned
-from airay.worker.engine import backward_micro_batch, build_engine, engine_config
+from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
 
 class UserCodeError(RuntimeError):
@@ -266,6 +266,8 @@ class TrainWorker:
 
     def leave(self) -> None:
         """Drop the engine and the process group; safe to call when in neither."""
+        import gc
+
         import deepspeed.comm as dist
         import torch.distributed as tdist
 
@@ -274,10 +276,11 @@ class TrainWorker:
             self._ckpt_writer.wait_live()
             self._ckpt_writer.take_wait()
             try:
-                self.engine.destroy()
+                drop_engine(self.engine)
             except Exception as exc:  # a half-broken engine after a peer died; we drop it anyway
                 print(f"airay: rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
             self.engine = None
+            gc.collect()  # the dropped engine's state, before the next world's engine is built
         self._hf_zero3 = None
         if tdist.is_available() and tdist.is_initialized():
             try:

@@ -22,6 +22,17 @@ def reset_zero3_globals() -> None:
     module_count[0] = 0
 
 
+def release_zero3_modules() -> None:
+    # ZeRO-3's forward hooks push each module on a process-wide stack (deepspeed 0.19:
+    # parameter_offload.FWD_MODULE_STACK) and the outermost module stays there after a step; it
+    # reaches every parameter and, through them, the optimizer, so a dropped engine's whole state
+    # (parameters, master weights, moments) would stay allocated: at every resize, another
+    # engine's worth of memory per rank. Cleared when an engine is dropped, before the next build.
+    from deepspeed.runtime.zero import parameter_offload
+
+    parameter_offload.FWD_MODULE_STACK.clear()
+
+
 def disable_cpu_shm_comm() -> None:
     # DeepSpeed (0.19) JIT-compiles a shared-memory all-reduce for CPU worlds on first init
     # (~30 s of C++ build per fresh machine) and keys its buffers by rank, which collides when

@@ -71,6 +71,19 @@ def build_engine(model, base_config: dict[str, Any], plan: BatchPlan, device: st
     return engine
 
 
+def drop_engine(engine) -> None:
+    """Destroy `engine` so that its state can go: a process that builds an engine per world must
+    not keep the one before (ZeRO-3's module stack would: deepspeed_compat.release_zero3_modules).
+    What is left is reference cycles (hooks, the checkpoint engine's fences): drop your own
+    references, then gc.collect(), so the memory is back before the next engine is built."""
+    from airay.worker.deepspeed_compat import release_zero3_modules
+
+    try:
+        engine.destroy()
+    finally:
+        release_zero3_modules()
+
+
 def backward_micro_batch(engine, loss, samples: int, plan: BatchPlan) -> None:
     """Backward and (at the accumulation boundary) optimizer step for one micro-batch of
     `samples` samples whose mean loss is `loss`, weighted so the step's update is the exact

@@ -81,6 +81,38 @@ def test_bad_zero_stage_and_missing_deepspeed_file(tmp_path):
     assert "ds.json' does not exist" in msg
 
 
+def test_layouts_airay_cannot_reshard_are_refused_when_the_world_can_change_size():
+    """round_robin_gradients and elastic_checkpoint (ZeRO-1/2) write checkpoints that cannot be
+    resharded (tests/test_reshard.py's probes): refused before Ray starts, naming the key and the
+    fix, unless the world is fixed. bf16 + ZeRO-1 + fp32 gradient accumulation (DeepSpeed's
+    BF16_Optimizer) is resharded bit for bit there, so it is accepted."""
+    def zero(**keys):
+        return lambda s: s["deepspeed"].update(zero_optimization={"stage": 2, **keys})
+
+    msg = error_for(zero(round_robin_gradients=True))
+    assert "zero_optimization.round_robin_gradients" in msg and "remove it (or set it false)" in msg
+    assert "scaling.min_workers = max_workers" in msg
+    assert "zero_optimization.round_robin_gradients" in error_for(
+        lambda s: s["deepspeed"].update(zero_optimization={"stage": 1, "round_robin_gradients": True}))
+    msg = error_for(zero(elastic_checkpoint=True))
+    assert "zero_optimization.elastic_checkpoint" in msg and "remove it (or set it false)" in msg
+    msg = error_for(lambda s: s["deepspeed"].update(bfloat16={"enabled": True}, zero_optimization={"stage": 0}))
+    assert "bf16 with zero_optimization.stage 0" in msg and "use zero_optimization.stage 1-3" in msg
+
+    def config(deepspeed, **scaling):
+        spec = demo_dict()
+        spec["deepspeed"].update(deepspeed)
+        spec["scaling"].update(scaling)
+        return JobConfig.from_dict(spec)
+
+    # A fixed world never reshards; ZeRO-3 ignores both keys (its own layout is resharded).
+    assert config({"zero_optimization": {"stage": 2, "round_robin_gradients": True}}, min_workers=4).zero_stage == 2
+    assert config({"zero_optimization": {"stage": 3, "round_robin_gradients": True, "elastic_checkpoint": True}}).zero_stage == 3
+    assert config({"zero_optimization": {"stage": 2, "round_robin_gradients": False}}).zero_stage == 2
+    bf16_optimizer = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}}
+    assert len(config(bf16_optimizer).scaling.world_sizes) > 1
+
+
 def test_deepspeed_json_relative_to_spec(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     spec = demo_dict()

@@ -259,7 +259,9 @@ class Controller:
         self.ckpt.poll()
         self._check_checkpoints()
         every = self.cfg.timeouts.grow_check_every_n_steps
-        grow = (self.step % every == 0 or self.grow_wanted) and self._can_grow()
+        # A resize is done at its first step: a grow before it would replace its record
+        # (resize_finished, recovery_s) with the grow's, and the recovery would go unreported.
+        grow = (self.step % every == 0 or self.grow_wanted) and self._can_grow() and self.pending_resize is None
         if self.inflight is None:
             self.grow_wanted = False
             if self.preempt_deadline is not None:

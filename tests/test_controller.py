@@ -176,6 +176,19 @@ def test_a_user_error_fails_fast_with_its_rank(tmp_path):
     assert result.traceback is None  # a decision of the run, not a driver error
 
 
+def test_a_recovery_is_finished_and_recorded_before_its_replacement_grows_the_world(tmp_path):
+    # The replacement is ready at once: the world of 3 still runs its first step (which ends the
+    # recovery and records it) before growing back; a grow first would have taken its record.
+    ctl, _ = controller(tmp_path, {"train": {2: {1: "died"}}}, ready_after=[0, 0, 0, 0, 1],
+                        timeouts={"grow_settle_s": 0})
+    result = ctl.run()
+    assert result.status == "finished" and result.world_sizes == [4, 3, 4]
+    finished = events(ctl, "resize_finished")
+    assert [(e["reason"], e["new_world_size"]) for e in finished] == [("failure", 3), ("grow", 4)]
+    assert finished[0]["recovery_s"] > 0 and finished[1]["step"] > finished[0]["step"]
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+
+
 def test_replacements_seconds_apart_make_one_grow(tmp_path):
     """Two ranks lost at once; their replacements come up two polls apart. With grow_settle_s the
     world grows once, 2 -> 4; without, twice, 2 -> 3 -> 4 (two checkpoints and re-formed worlds)."""

@@ -326,30 +326,50 @@ def render_goodput_window(g: dict) -> list[str]:
 
 
 def render_checkpoint(ck: dict) -> list[str]:
-    """Per model size: memory where it is spent, what a save holds, commit and reload (benchmarks/checkpoint.py)."""
+    """Per ZeRO stage and model size: memory where it is spent, what a save holds, commit and reload,
+    the resharded load's reads and losses, the build (benchmarks/checkpoint.py). A result of the
+    earlier script (ZeRO-2 only, none of the last three columns) renders too."""
     mib = 2**20
-    rows = ck["sizes"]
-    return [f"The tiny GPT at each d_model, 8 layers; {ck['workers']} workers (one-CPU nodes of a local cluster, "
-            "the driver on a head of its own), ZeRO-2, AdamW, a memory-tier save every 2 steps and a durable "
-            "one every 4 (local disk), a worker killed at step 7 (shrink to 3, resharded reload) and regrown. "
-            "No sleep: every step is CPU work. Baseline: DeepSpeed's synchronous save_checkpoint of the same "
-            "state (ZeRO-2, 4 gloo processes) to a local directory, slowest rank, in the same invocation.", "",
-            "| d_model | parameters | checkpoint MiB | driver-node peak RSS MiB | worker peak RSS / footprint "
+    stages = sorted({r.get("stage", 2) for r in ck["sizes"]})
+    new = "loss_rel_diff" in ck["sizes"][0]
+    lines = [f"The tiny GPT at each d_model, 8 layers; {ck['workers']} workers (one-CPU nodes of a local cluster, "
+             f"the driver on a head of its own), ZeRO-{' and ZeRO-'.join(map(str, stages))}, AdamW, a memory-tier save "
+             "every 2 steps and a durable one every 4 (local disk), a worker killed at step 7 (shrink to 3, resharded "
+             "reload) and regrown" + (", and the same job without the fault" if new else "") + ". No sleep: every "
+             "step is CPU work. Baseline: DeepSpeed's synchronous save_checkpoint of the same state (same stage, 4 "
+             "gloo processes) to a local directory, slowest rank, in the same invocation.", ""]
+    head = ("| ZeRO | d_model | parameters | checkpoint MiB | driver-node peak RSS MiB | worker peak RSS / footprint "
             "| held per save s | DeepSpeed sync save s | held / sync | commit to memory s | GB/s | peer copy s "
-            "| reshard reload s | recovery_s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-            *[f"| {r['d_model']} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / mib:.0f} | "
-              f"{r['driver_node_peak_rss'] / mib:.0f} | {_ratio(r['worker_rss_vs_footprint'])} | {r['held_median_s']:.3f} | "
-              f"{r['sync_save_s']:.3f} | {r['held_vs_sync']:.3f} | {r['commit_median_s']:.2f} | "
-              f"{r['commit_gb_per_s']:.2f} | {r.get('copy_median_s') or 0:.2f} | {r['reshard_load_median_s']:.2f} | "
-              f"{r['recovery_s']:.2f} |" for r in rows],
-            "",
-            f"Driver-node peak RSS, largest / smallest size: **x{ck['driver_node_rss_growth']:.2f}** (target ≤ 1.5); "
-            f"worker peak RSS / footprint, worst: **x{_ratio(ck['worst_worker_rss_vs_footprint'])}** (target ≤ 1.5); "
-            f"commit to memory, slowest: **{ck['min_commit_gb_per_s']:.2f} GB/s** (target ≥ 1); recovery at the "
-            f"largest size: **{ck['largest_recovery_s']:.2f} s** (target < 10); held per save / sync save, worst: "
-            f"**{ck['worst_held_vs_sync']:.3f}** (target ≤ 0.10). Held per save is blocking_s + "
-            "previous_commit_wait_s + the next step's checkpoint_wait_s (`held_s`)."]
+            "| reshard reload s | recovery_s |")
+    extra = " read / needed | loss vs fault-free | build: model / bytes |" if new else ""
+    lines += [head + extra, "|" + " --- |" * (14 + (3 if new else 0))]
+    for r in ck["sizes"]:
+        cells = (f"| {r.get('stage', 2)} | {r['d_model']} | {r['parameters'] / 1e6:.1f}M | {r['bytes'] / mib:.0f} | "
+                 f"{r['driver_node_peak_rss'] / mib:.0f} | {_ratio(r['worker_rss_vs_footprint'])} | "
+                 f"{r['held_median_s']:.3f} | {r['sync_save_s']:.3f} | {r['held_vs_sync']:.3f} | "
+                 f"{r['commit_median_s']:.2f} | {r['commit_gb_per_s']:.2f} | {r.get('copy_median_s') or 0:.2f} | "
+                 f"{r['reshard_load_median_s']:.2f} | {r['recovery_s']:.2f} |")
+        if new:
+            cells += f" {r['read_vs_needed']:.2f} | {r['loss_rel_diff']:.1e} | {r['build_model_vs_bytes']:.2f} |"
+        lines.append(cells)
+    lines.append("")
+    for stage in stages:
+        t = ck.get(f"zero{stage}", ck)
+        text = (f"ZeRO-{stage}: driver-node peak RSS, largest / smallest size: **x{t['driver_node_rss_growth']:.2f}** "
+                f"(target ≤ 1.5); worker peak RSS / footprint, worst: **x{_ratio(t['worst_worker_rss_vs_footprint'])}** "
+                f"(target ≤ 1.5); commit to memory, slowest: **{t['min_commit_gb_per_s']:.2f} GB/s** (target ≥ 1); "
+                f"recovery at the largest size: **{t['largest_recovery_s']:.2f} s** (target < 10); held per save / "
+                f"sync save, worst: **{t['worst_held_vs_sync']:.3f}** (target ≤ 0.10)")
+        if "worst_loss_rel_diff" in t:
+            text += (f"; loss after the resharded reloads, worst relative difference: **{t['worst_loss_rel_diff']:.1e}** "
+                     f"(target < 1e-5); bytes read / needed, worst rank: **{t['worst_read_vs_needed']:.2f}** "
+                     "(target ≤ 1.2)")
+        lines += [text + ".", ""]
+    if "zero3_build_model_vs_bytes" in ck:
+        lines += [f"ZeRO-3 build: a rank's peak RSS while building its model (under zero.Init), over the model's fp32 "
+                  f"bytes, worst: **{ck['zero3_build_model_vs_bytes']:.2f}** (target ≤ 0.5).", ""]
+    lines.append("Held per save is blocking_s + previous_commit_wait_s + the next step's checkpoint_wait_s (`held_s`).")
+    return lines
 
 
 def render_gpu(g: dict) -> list[str]:

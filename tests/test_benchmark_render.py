@@ -49,6 +49,26 @@ def test_checkpoint_section_has_a_row_per_size_and_the_targets():
     assert "**0.040** (target ≤ 0.10)" in text
 
 
+def test_checkpoint_section_with_stages_reports_reads_losses_and_the_build():
+    from benchmarks.run import render_checkpoint
+
+    row = {"d_model": 256, "stage": 3, "parameters": 6.5e6, "bytes": 80 * 2**20, "driver_node_peak_rss": 700 * 2**20,
+           "worker_rss_vs_footprint": 1.2, "held_median_s": 0.02, "sync_save_s": 0.5, "held_vs_sync": 0.04,
+           "commit_median_s": 0.1, "commit_gb_per_s": 0.8, "copy_median_s": 0.2, "reshard_load_median_s": 0.3,
+           "recovery_s": 1.5, "read_vs_needed": 1.07, "loss_rel_diff": 3.2e-7, "build_model_vs_bytes": 0.35}
+    targets = {"driver_node_rss_growth": 1.1, "worst_worker_rss_vs_footprint": 1.2, "min_commit_gb_per_s": 0.8,
+               "largest_recovery_s": 1.5, "worst_held_vs_sync": 0.04, "worst_loss_rel_diff": 3.2e-7,
+               "worst_read_vs_needed": 1.07}
+    ck = {"sizes": [{**row, "stage": 2}, row], "workers": 4, "zero2": targets, "zero3": targets,
+          "zero3_build_model_vs_bytes": 0.35}
+    text = "\n".join(render_checkpoint(ck))
+    assert "| 3 | 256 | 6.5M | 80 | 700 | 1.20 | 0.020 | 0.500 | 0.040 | 0.10 | 0.80 | 0.20 | 0.30 | 1.50 | 1.07 | " \
+           "3.2e-07 | 0.35 |" in text and "| 2 | 256 |" in text
+    assert "ZeRO-2: driver-node" in text and "ZeRO-3: driver-node" in text
+    assert "**3.2e-07** (target < 1e-5)" in text and "**1.07** (target ≤ 1.2)" in text
+    assert "worst: **0.35** (target ≤ 0.5)" in text
+
+
 def test_data_section_reports_both_sides_the_ratio_and_the_wait_share():
     from benchmarks.run import render_data
 

@@ -236,7 +236,10 @@ def test_sigterm_to_the_driver_checkpoints_exits_cleanly_and_resumes(tmp_path, b
     stop = preempted["checkpoint_step"]
     assert stop == preempted["step"] and 12 < stop < 30 and stop % 5 == 0  # the end of the round in flight
     assert preempted["within_grace"]
-    assert [e["step"] for e in events(run, "checkpoint_saved") if e["tier"] == "durable"] == [10, stop]
+    # The periodic saves before the signal (on a slow machine the run may pass step 20 before the
+    # signal lands), then the preemption's own, once.
+    periodic = list(range(10, stop, 10))
+    assert [e["step"] for e in events(run, "checkpoint_saved") if e["tier"] == "durable"] == periodic + [stop]
     assert events(run, "run_finished") == []
     assert json.loads((run / "result.json").read_text())["status"] == "preempted"
 

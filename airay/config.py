@@ -190,7 +190,17 @@ class CheckpointSpec(_Spec):
     memory_path: str | None = Field(
         None, description="the memory tier's base directory on every node (private to you, mode 0700); "
         "default /dev/shm/airay")
-    memory_keep_last: int = Field(2, ge=1, description="memory-tier checkpoints kept on each node")
+    memory_keep_last: int = Field(2, ge=1, description="memory-tier checkpoints kept on each node (fewer when "
+                                  "they would exceed the tier's budget)")
+    memory_budget_fraction: float = Field(
+        0.25, gt=0, le=0.9, description="the memory tier's budget on a node: this fraction of the node's memory "
+        "(split between raylets that share a machine), never more than 80% of /dev/shm's room; checked at start "
+        "and before each save. A save that would exceed it drops the oldest kept steps first, then the copy to "
+        "the next node, then is skipped (checkpoint_budget events). The tier lives in RAM: the rest is the "
+        "training processes'")
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="the memory tier's budget per node in GB, instead of memory_budget_fraction "
+        "(still capped by /dev/shm's room)")
     chunk_mib: float = Field(
         8, gt=0, description="every checkpoint file has a CRC-32 per chunk of this many MiB (in the manifest): a "
         "rank loading at another world size reads and verifies only the chunks that hold its new partition "

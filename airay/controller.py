@@ -106,7 +106,9 @@ class Controller:
         self.job = job_identity(config.name, config.model.model_dump(mode="json"), config.zero_stage)
         self.memory_base = str(memory_base(ck.memory_path, root))
         self.ckpt = Checkpointer(root, config.zero_stage, ck.keep_last, recorder, self.job, self.memory_base,
-                                 ck.memory_keep_last, ck.upload_retries, config.health.max_checkpoint_failures)
+                                 ck.memory_keep_last, ck.upload_retries, config.health.max_checkpoint_failures,
+                                 ck.memory_budget_fraction,
+                                 int(ck.memory_budget_gb * 1e9) if ck.memory_budget_gb is not None else None)
         self.group: WorkerGroup | None = None
         self.group_factory = group_factory  # WorkerGroup; unit tests script one without Ray (tests/fake_group.py)
         # A streamed dataset's feeder buffers a round (two when rounds are pipelined: the one
@@ -248,6 +250,7 @@ class Controller:
         if not self.group.wait_for_standby(size, timeout_s=self.cfg.timeouts.capacity_wait_s + 120):
             raise RunFailed(f"{size} workers were placed but did not start within the timeout")
         self.group.ensure_stores()  # the nodes' memory tiers: what an earlier run left there counts too
+        self.ckpt.check_budget(self.group)  # the tiers' budgets, from the nodes' memory (memory_budget)
         candidates = self.ckpt.candidates(self.group)
         if candidates:
             self.rec.event("resuming", step=candidates[0].step, path=candidates[0].path, tier=candidates[0].tier)
@@ -374,6 +377,11 @@ class Controller:
         lost = [r for r in verdict.lost_ranks if verdict.outcomes[r].kind != "hung"]
         suspects = {group.member(r).node_id for r in lost if "unavailable" in verdict.outcomes[r].error.lower()}
         dead_nodes = group.dead_nodes({group.member(r).node_id for r in lost}, suspects, NODE_VERDICT_WAIT_S)
+        # Ranks Ray's memory monitor killed (or that ran out of memory): their nodes' figures go
+        # in the event, and the memory tier gives memory back before their replacements start.
+        oom_nodes = sorted({group.member(r).node_id for r in verdict.lost_ranks
+                            if verdict.outcomes[r].fault == "oom" and group.member(r).node_id})
+        figures = {f["node_id"]: f for f in group.node_memory(oom_nodes)} if oom_nodes else {}
         for rank in verdict.lost_ranks:
             m = group.member(rank)
             outcome = verdict.outcomes[rank]
@@ -386,24 +394,40 @@ class Controller:
             else:
                 lost_node = m.node_id in dead_nodes
                 kind = "node_lost" if lost_node else outcome.fault
+                memory = {"node_memory": figures[m.node_id]} if m.node_id in figures else {}
                 self.rec.event("node_lost" if lost_node else "worker_failed", step=self.step, rank=rank,
                                node_id=m.node_id, phase=self.failed_phase, outcome=outcome.fault, error=outcome.error,
-                               detection_s=self.detection_s)
+                               detection_s=self.detection_s, **memory)
             self.failures.append(Failure(self.t_detect, kind, rank, m.node_id, self.step))
-            if m.node_id:
-                self.node_failures[m.node_id] = self.node_failures.get(m.node_id, 0) + 1
+        self._count_incident({group.member(r).node_id for r in verdict.lost_ranks})
+        if oom_nodes:
+            self.ckpt.relieve_memory(group, oom_nodes)
         if verdict.kind in ("comm_error", "user_error"):
             self.rec.event("worker_failed", step=self.step, rank=None, outcome=verdict.kind, error=verdict.message)
             self.failures.append(Failure(self.t_detect, verdict.kind, None, None, self.step))
         self._check_budget()
         drop = list(verdict.lost_ranks)
-        for node in policy.nodes_to_exclude(self.node_failures, self.cfg.health.exclude_node_after_failures,
-                                            group.excluded):
+        exclude = policy.nodes_to_exclude(self.node_failures, self.cfg.health.exclude_node_after_failures,
+                                          group.excluded)
+        if exclude:
+            room = group.room_without(set(exclude))
+            if room < self.sizes[0]:
+                raise RunFailed(
+                    f"node(s) {', '.join(n[:8] for n in exclude)} reached health.exclude_node_after_failures="
+                    f"{self.cfg.health.exclude_node_after_failures} failures; excluding them leaves room for {room} "
+                    f"worker(s) on the cluster's other nodes, below scaling.min_workers={self.cfg.scaling.min_workers}. "
+                    "Add nodes, or raise health.exclude_node_after_failures (0: never exclude). "
+                    f"Failures:\n{summarize_failures(self.failures)}")
+        for node in exclude:
             on_node = group.exclude(node)
             self.rec.event("node_excluded", step=self.step, node_id=node, failures=self.node_failures[node],
                            evicted_ranks=[r for r in on_node if r not in drop])
             drop += [r for r in on_node if r not in drop]
         group.drop(sorted(drop))
+        if exclude:
+            released = group.release_vacant_groups()
+            if released:
+                self.rec.event("placement_released", step=self.step, groups=released, reason="node_excluded")
         group.leave_all()
         t_drained = time.time()
         sc = self.cfg.scaling
@@ -428,6 +452,19 @@ class Controller:
         if not self._form(new, candidates, t0=self.t_detect, old=old, reason="failure", parts=parts):
             return State.RECOVERING
         return State.RUNNING
+
+    def _count_incident(self, nodes: set[str | None]) -> None:
+        """One failure toward exclusion per node this incident struck (policy.incident_nodes);
+        none when it struck most of the world's nodes at once (the cause is the cluster's)."""
+        world = {m.node_id for m in self.group.active}
+        counted, cluster_wide = policy.incident_nodes(nodes, world)
+        if cluster_wide:
+            self.rec.event("incident_not_counted", step=self.step, nodes=len({n for n in nodes if n}),
+                           world_nodes=len(world),
+                           reason="it struck most of the world's nodes at once: a cause of the cluster's or the "
+                                  "job's, not of a node (no node's exclusion count grows)")
+        for node in counted:
+            self.node_failures[node] = self.node_failures.get(node, 0) + 1
 
     def _rerun_after_data_loss(self) -> State:
         """A block of the round could not be fetched: the data failed, no rank did. Keep every

@@ -192,6 +192,19 @@ def restart_backoff_s(failures_in_window_: int, base_s: float, cap_s: float) -> 
     return min(cap_s, base_s * 2 ** (failures_in_window_ - 2))
 
 
+def incident_nodes(failed_nodes: set[str | None], world_nodes: set[str | None]) -> tuple[set[str], bool]:
+    """The nodes one incident (a failed round, save, join or load) counts a failure against
+    toward exclusion: each node once, however many of its ranks it lost (an 8-GPU node loses 8
+    to one fault). (set(), True) when it struck most of the world's nodes at once (two or more,
+    over half): the cause is the cluster's or the job's (memory pressure, a storage outage, a
+    bad driver), and excluding those nodes would only take the run's capacity away."""
+    failed = {n for n in failed_nodes if n}
+    world = {n for n in world_nodes if n} | failed
+    if len(failed) >= 2 and 2 * len(failed) > len(world):
+        return set(), True
+    return failed, False
+
+
 def nodes_to_exclude(failures_per_node: dict[str, int], threshold: int, excluded: set[str]) -> list[str]:
     """Nodes that reached `threshold` failures and are not excluded yet (threshold 0: never)."""
     if threshold <= 0:

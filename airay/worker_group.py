@@ -19,7 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from airay import placement, policy
-from airay.checkpoint.actors import NodeStore
+from airay.checkpoint.actors import STORE_THREADS, NodeStore
 from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
 from airay.health import RankOutcome, find_hung, position
 from airay.policy import BatchPlan
@@ -70,6 +70,7 @@ class WorkerGroup:
         self.stores: dict[str, Any] = {}  # node id -> its NodeStore
         self._store_starts: dict[str, Any] = {}  # node id -> a NodeStore started, not yet checked
         self.foreign_tiers: list[dict] = []  # other jobs' memory tiers the stores found (and cleared)
+        self.catalog_failures: list[dict] = []  # stores whose catalog did not come (memory_checkpoints)
 
     # ---- the cluster, as the controller needs it ---------------------------------------------
 
@@ -132,7 +133,8 @@ class WorkerGroup:
 
     def _new_store(self, node: str):
         return ray.remote(NodeStore).options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            num_cpus=0, max_restarts=0, max_concurrency=STORE_THREADS,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
         ).remote(self.memory_base, self.job)
 
     def _start_stores(self, pgs: list[PlacementGroup]) -> None:
@@ -173,15 +175,23 @@ class WorkerGroup:
 
     def memory_checkpoints(self, job: dict, timeout_s: float = 30.0) -> list[CheckpointInfo]:
         """Complete memory-tier checkpoints of `job`: a manifest on some node, and every file it
-        lists held (at its size) by some live node."""
+        lists held (at its size) by some live node. A store whose catalog does not come within
+        `timeout_s` is asked once more, for twice as long; what happened is kept in
+        `catalog_failures` (the caller's events): a node's copies are never dropped unsaid."""
         stores = self._live_stores()
-        refs = {node: s.catalog.remote() for node, s in stores.items()}
-        catalogs = {}
-        for node, ref in refs.items():
-            try:
-                catalogs[node] = ray.get(ref, timeout=timeout_s)
-            except (ray.exceptions.RayError, TimeoutError):
-                continue  # its node is going: its copies do not count
+        catalogs: dict[str, dict] = {}
+        for attempt, wait_s in enumerate((timeout_s, 2 * timeout_s)):
+            refs = {node: s.catalog.remote() for node, s in stores.items() if node not in catalogs}
+            deadline = time.time() + wait_s
+            for node, ref in refs.items():
+                try:
+                    catalogs[node] = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+                except (ray.exceptions.RayError, TimeoutError) as exc:
+                    self.catalog_failures.append({"node_id": node, "attempt": attempt + 1, "timeout_s": wait_s,
+                                                  "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                                                  "retried": attempt == 0})
+            if len(catalogs) == len(stores):
+                break
         manifests: dict[int, Manifest] = {}
         for catalog in catalogs.values():
             for step, entry in catalog.items():
@@ -202,6 +212,19 @@ class WorkerGroup:
                                           f"memory:{step_name(step)}", manifest.created, manifest=manifest,
                                           holders=holders))
         return out
+
+    def node_memory(self, nodes: list[str] | None = None, timeout_s: float = 10.0) -> list[dict]:
+        """The memory figures of every live store's node (of `nodes`), for the tier's budget; a
+        store that does not answer in time is left out (its node keeps its last budget)."""
+        stores = {n: s for n, s in self._live_stores().items() if nodes is None or n in nodes}
+        done, _ = self.each_result([s.memory.remote() for s in stores.values()], list(stores), timeout_s)
+        return list(done.values())
+
+    def memory_usage(self, timeout_s: float = 30.0) -> dict[str, dict[int, int]]:
+        """{node: {step: bytes held there}} of every live store that answers in time."""
+        stores = self._live_stores()
+        done, _ = self.each_result([s.usage.remote() for s in stores.values()], list(stores), timeout_s)
+        return done
 
     def end_memory(self, remove: bool, keep: list[int], timeout_s: float = 60.0) -> None:
         """The run ends: a finished run's memory tier goes (its last checkpoint is durable); one
@@ -357,10 +380,11 @@ class WorkerGroup:
         return self._gather([m.actor.save.remote(step, data_position, self.memory_base, faults.get(rank))
                              for rank, m in enumerate(self.active)], self.phase_timeout_s)
 
-    def persist(self, step: int) -> list:
+    def persist(self, step: int, no_peer: frozenset[str] = frozenset()) -> list:
         """Every rank finishes writing its files of `step` and copies them to the next node's
-        store, beside training (its io thread); returns the calls' refs (their reports)."""
-        ring = self.ring()
+        store (not the ranks of `no_peer` nodes: the memory budget has no room for their copy),
+        beside training (its io thread); returns the calls' refs (their reports)."""
+        ring = {n: p for n, p in self.ring().items() if n not in no_peer}
         return [m.actor.persist.remote(step, self.stores.get(ring.get(m.node_id)), ring.get(m.node_id))
                 for m in self.active]
 
@@ -492,9 +516,9 @@ class WorkerGroup:
 
     def exclude(self, node_id: str) -> list[int]:
         """Keep `node_id` out of placement from now on: idle workers there are killed and not
-        replaced; returns the ranks of active workers there, for the caller to drop. The node's
-        bundles stay reserved by their placement groups until the run ends (Ray cannot release
-        one bundle of a group), which also keeps other work of this run off it."""
+        replaced; returns the ranks of active workers there, for the caller to drop. Its placement
+        groups are released once no worker holds them (release_vacant_groups); Ray cannot release
+        one bundle of a group that spans other nodes too."""
         self.excluded.add(node_id)
         if self.demanded:
             self.demand(self.demanded)  # the request now asks for room off this node
@@ -503,6 +527,29 @@ class WorkerGroup:
                 pool.remove(m)
                 ray.kill(m.actor, no_restart=True)
         return [r for r, m in enumerate(self.active) if m.node_id == node_id]
+
+    def room_without(self, nodes: set[str]) -> int:
+        """How many workers the cluster's alive nodes could hold (their total resources, not what
+        is free now) without `nodes` and the excluded ones."""
+        gone = self.excluded | set(nodes)
+        totals = [n["Resources"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in gone]
+        return placement.bundles_that_fit(totals, self.per_worker)
+
+    def release_vacant_groups(self) -> list[str]:
+        """Remove the placement groups no worker of this run holds a bundle of any more (an
+        excluded node's, whose workers are not replaced there), so their resources go back to
+        the cluster now, not when the run ends; returns their ids (short). A group with bundles
+        on other nodes too keeps the excluded node's bundle until those are vacant as well."""
+        used = {id(m.pg) for m in self.active + self.standby + self.pending}
+        released = []
+        for pg in [pg for pg in self.pgs if id(pg) not in used]:
+            try:
+                remove_placement_group(pg)
+            except Exception as exc:  # already gone with its node
+                print(f"airay: could not remove placement group {pg.id.hex()[:8]}: {type(exc).__name__}: {exc}")
+            self.pgs.remove(pg)
+            released.append(pg.id.hex()[:8])
+        return released
 
     def leave_all(self) -> None:
         """Survivors of a failed round leave their broken process group (errors ignored)."""

@@ -3,7 +3,7 @@
 It has WorkerGroup's interface (what airay.controller and airay.checkpoint.manager call) and
 scripts each call's rank outcomes: `script[call][n] = {rank: kind}` makes the n-th call (1-based)
 of `call` ("form", "train", "save", "load", "persist", "upload") fail on those ranks, kind
-"died", "hung" or "user" (an exception in user code); an upload kind "storage" fails the
+"died", "hung", "oom" (MemoryError) or "user" (an exception in user code); an upload kind "storage" fails the
 upload as a storage error would. Workers are started at once (ready on the next poll, or after
 `ready_after` polls each), steps are instant with a deterministic loss, and durable uploads
 write files of the declared sizes, so the durable tier's listing sees them as complete.
@@ -84,6 +84,10 @@ class FakeGroup:
         self.launched: list[tuple[int, int]] = []  # every round launched, in order
         self.settled: list[list] = []  # refs of rounds queued behind a failed one
         self.sigtermed: set[int] = set()  # workers (id) that got SIGTERM
+        self.memory_figures: dict[str, dict] = {}  # node -> NodeMemory fields (empty: no budget to keep)
+        self.room = 10 ** 6  # workers the cluster's nodes hold without some (room_without)
+        self.no_peer: dict[int, set[str]] = {}  # step -> nodes whose ranks made no peer copy of it
+        self.catalog_failures: list[dict] = []
 
     # ---- the cluster -------------------------------------------------------------------------
 
@@ -133,6 +137,27 @@ class FakeGroup:
     def ensure_stores(self, timeout_s: float = 60.0) -> None:
         pass
 
+    def node_memory(self, nodes=None, timeout_s: float = 10.0) -> list[dict]:
+        return [dict(f, node_id=n) for n, f in self.memory_figures.items() if nodes is None or n in nodes]
+
+    def memory_usage(self, timeout_s: float = 30.0) -> dict[str, dict[int, int]]:
+        held = {f"node{i}": {} for i in range(self.nodes)}
+        for step, manifest in self.memory.items():
+            for f in manifest.files.values():
+                node = f"node{f.rank % self.nodes}"
+                held[node][step] = held[node].get(step, 0) + f.size
+        return held
+
+    def ring(self) -> dict[str, str]:
+        nodes = [f"node{i}" for i in range(self.nodes)]
+        return {n: nodes[(i + 1) % len(nodes)] for i, n in enumerate(nodes)} if len(nodes) > 1 else {}
+
+    def room_without(self, nodes: set[str]) -> int:
+        return self.room
+
+    def release_vacant_groups(self) -> list[str]:
+        return []
+
     def member(self, rank: int) -> FakeMember:
         return self.active[rank]
 
@@ -151,6 +176,9 @@ class FakeGroup:
             elif kind == "unavailable":  # no good copy of some file of the checkpoint (loading.py)
                 out.append(RankOutcome(rank, "errored", error=f"rank {rank}: scripted: no good copy",
                                        cause="CheckpointUnavailable"))
+            elif kind == "oom":  # the process ran out of memory (or Ray's memory monitor killed it)
+                out.append(RankOutcome(rank, "errored", error=f"rank {rank}: MemoryError: scripted",
+                                       cause="MemoryError"))
             elif kind == "user":
                 out.append(RankOutcome(rank, "errored", error=f"rank {rank}: ValueError: scripted", user_error=True,
                                        cause="UserCodeError"))
@@ -208,7 +236,8 @@ class FakeGroup:
     def save(self, step: int, data_position=None, faults=None):
         return self._outcomes("save", len(self.active)), [None] * len(self.active)
 
-    def persist(self, step: int) -> list[FakeRef]:
+    def persist(self, step: int, no_peer: frozenset = frozenset()) -> list[FakeRef]:
+        self.no_peer[step] = set(no_peer)
         outcomes = self._outcomes("persist", len(self.active))
         return [FakeRef(error=RuntimeError(o.error)) if o.kind != "ok" else
                 FakeRef({"files": {f"rank{r}.pt": [FILE_BYTES, 0]}, "layout": {}, "node_id": m.node_id,
@@ -249,6 +278,7 @@ class FakeGroup:
         self.memory[step] = Manifest.from_json(manifest_json)
 
     def prune_memory(self, keep, also_drop=(), timeout_s=60.0):
+        self.calls.append(("prune_memory", sorted(keep)))
         self.memory = {s: m for s, m in self.memory.items() if s in keep and s not in also_drop}
 
     def memory_checkpoints(self, job, timeout_s=30.0):
@@ -284,6 +314,7 @@ class FakeGroup:
     # ---- losing and replacing workers --------------------------------------------------------
 
     def drop(self, ranks: list[int]) -> None:
+        self.calls.append(("drop", sorted(ranks)))
         for m in [self.active[r] for r in ranks]:
             self.active.remove(m)
             self._start()  # its replacement, in its bundle

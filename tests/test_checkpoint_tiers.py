@@ -266,3 +266,55 @@ def test_sigterm_to_a_worker_checkpoints_then_shrinks_without_losing_a_step(tmp_
     failures = [r for r in result.resizes if r["reason"] == "failure"]
     assert [(r["resumed_step"], r["new_world_size"]) for r in failures] == [(preempted["step"], 2)]  # nothing replayed
     assert_continues(run, baseline)
+
+
+def test_a_small_memory_budget_is_kept_on_disk_and_a_fault_on_most_nodes_excludes_none(tmp_path, local_cluster,
+                                                                                          baseline):
+    """Each node's tier may hold 3 MB: about one step with its peer copy (a step is ~2.2 MB over
+    three nodes, each node holding its own files and its predecessor's). Saves every 5 steps drop
+    the step before; a thread measures every node's tier on disk meanwhile. At step 12 ranks on
+    two of the three nodes are killed at once: one incident striking most nodes, which counts
+    toward no node's exclusion (threshold 1)."""
+    import threading
+
+    local_cluster(nodes=3)
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    budget = 3_000_000
+    data = spec_dict(run, 30, {"every_n_steps": 10, "fast_every_n_steps": 5, "memory_keep_last": 3,
+                               "memory_path": str(shm), "memory_budget_gb": budget / 1e9},
+                     chaos=[{"fault": "kill_worker", "at_step": 12, "rank": 0},
+                            {"fault": "kill_worker", "at_step": 12, "rank": 1}])
+    data["health"] = {"exclude_node_after_failures": 1}
+    peak: dict[str, int] = {}
+    done = threading.Event()
+
+    def measure():
+        while not done.is_set():
+            for node in shm.glob("ckpt-*/node-*"):
+                held = 0
+                for f in node.glob("step_*/*"):
+                    try:
+                        held += f.stat().st_size
+                    except FileNotFoundError:  # pruned meanwhile
+                        pass
+                peak[node.name] = max(peak.get(node.name, 0), held)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=measure, daemon=True)
+    watcher.start()
+    try:
+        result = fit(JobConfig.from_dict(data), echo=False)
+    finally:
+        done.set()
+        watcher.join()
+    assert result.status == "finished" and result.final_step == 30
+    assert_released()
+    (checked,) = events(run, "memory_budget")
+    assert checked["budget_bytes"] == budget
+    dropped = [e for e in events(run, "checkpoint_budget") if e["action"] == "dropped"]
+    assert dropped and all(e["planned_bytes"] <= budget for e in dropped)
+    assert len(peak) == 3 and 1_000_000 < max(peak.values()) <= budget, peak
+    assert events(run, "node_excluded") == []
+    (not_counted,) = events(run, "incident_not_counted")
+    assert (not_counted["nodes"], not_counted["world_nodes"]) == (2, 3)
+    assert_continues(run, baseline)

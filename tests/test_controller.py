@@ -212,3 +212,70 @@ def test_a_driver_error_is_kept_with_its_traceback(tmp_path):
     assert "Traceback" in result.traceback and "broken" in result.traceback
     assert events(ctl, "run_failed")[0]["traceback"] == result.traceback
     assert ("shutdown", None) in factory.made[0].calls  # nothing leaks
+
+
+# ---- failures at scale: incidents, exclusion, memory ------------------------------------------
+
+
+def test_one_incident_counts_once_per_node_and_one_striking_most_nodes_counts_against_none(tmp_path):
+    # Ranks 0 and 1 share node0 (ranks 2 and 3 node1): both die in round 2, one incident.
+    ctl, _ = controller(tmp_path, {"train": {2: {0: "died", 1: "died"}}},
+                        health={"exclude_node_after_failures": 2})
+    result = ctl.run()
+    assert result.status == "finished" and ctl.node_failures == {"node0": 1}
+    assert events(ctl, "node_excluded") == []  # two ranks, one node, one incident: not two failures
+    # A rank of every node dies at once (memory pressure, a storage outage): the cluster's cause.
+    ctl, _ = controller(tmp_path / "all", {"train": {2: {0: "died", 2: "died"}}},
+                        health={"exclude_node_after_failures": 1})
+    result = ctl.run()
+    assert result.status == "finished" and ctl.node_failures == {}
+    assert events(ctl, "node_excluded") == []
+    (skipped,) = events(ctl, "incident_not_counted")
+    assert (skipped["nodes"], skipped["world_nodes"]) == (2, 2)
+    assert ctl.losses == {s: step_loss(s) for s in range(STEPS)}
+
+
+def test_an_exclusion_that_would_leave_too_little_room_ends_the_run_at_once_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(FakeGroup, "room_without", lambda self, nodes: 1)
+    ctl, _ = controller(tmp_path, {"train": {2: {1: "died"}}}, health={"exclude_node_after_failures": 1},
+                        timeouts={"capacity_wait_s": 600})
+    result = ctl.run()
+    assert result.status == "failed" and result.wall_s < 60  # not capacity_wait_s
+    assert "node0" in result.error and "leaves room for 1 worker" in result.error
+    assert "scaling.min_workers=2" in result.error and "exclude_node_after_failures" in result.error
+    assert events(ctl, "node_excluded") == []
+
+
+def test_an_out_of_memory_rank_makes_the_memory_tier_give_memory_back_before_its_replacement(tmp_path):
+    ctl, factory = controller(tmp_path, {"train": {3: {1: "oom"}}},
+                              checkpoint={"every_n_steps": 10, "fast_every_n_steps": 5})
+    result = ctl.run()
+    assert result.status == "finished" and ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+    (failed,) = events(ctl, "worker_failed")
+    assert failed["outcome"] == "oom"
+    (reduced,) = events(ctl, "memory_tier_reduced")
+    # Steps 5 and 10 were kept in memory; 10 (the newest, being uploaded) stays.
+    assert reduced["nodes"] == ["node0"] and reduced["dropped_steps"] == [5] and reduced["kept_steps"] == [10]
+    assert ctl.ckpt.host_scale == {"node0": 0.5}
+    calls = factory.made[0].calls
+    # The tier is pruned to step 10 before the lost rank is dropped (its replacement starts then).
+    assert calls.index(("prune_memory", [10])) < calls.index(("drop", [1]))
+
+
+def test_saves_keep_each_nodes_memory_tier_within_its_budget(tmp_path, monkeypatch):
+    # Each node holds 2 ranks' files (64 B each) and its peer's: 256 B a step; budget 300 B.
+    figures = {f"node{i}": {"host": f"h{i}", "mem_total": 1200, "mem_available": 600, "shm_total": 10**9,
+                            "shm_free": 10**9, "tier_bytes": 0} for i in range(2)}
+    monkeypatch.setattr(FakeGroup, "node_memory",
+                        lambda self, nodes=None, timeout_s=10.0: [dict(f, node_id=n) for n, f in figures.items()])
+    ctl, factory = controller(tmp_path, checkpoint={"every_n_steps": 10, "fast_every_n_steps": 5,
+                                                    "memory_keep_last": 3})
+    result = ctl.run()
+    assert result.status == "finished" and result.durable_step == STEPS
+    (budget,) = events(ctl, "memory_budget")
+    assert budget["budget_bytes"] == 300 and budget["hosts"] == 2
+    acted = events(ctl, "checkpoint_budget")
+    assert acted and all(e["action"] in ("dropped", "no_peer_copy") for e in acted)
+    assert all(e["planned_bytes"] <= 300 for e in acted)
+    group = factory.made[0]
+    assert all(sum(held.values()) <= 300 for held in group.memory_usage().values())

@@ -161,3 +161,14 @@ def test_grows_are_batched_while_more_workers_are_about_to_come_up():
     assert grow_now(3, 1, 3, ready_for_s=0.0, settle_s=5.0, sizes=sizes)  # the rest cannot make it larger
     assert not grow_now(4, 1, 0, ready_for_s=9.0, settle_s=5.0, sizes=sizes)  # already at the largest
     assert grow_now(2, 1, 1, ready_for_s=0.0, settle_s=0.0, sizes=sizes)  # settle 0: grow at once
+
+
+def test_an_incident_counts_once_per_node_and_not_at_all_when_it_struck_most_nodes():
+    from airay.policy import incident_nodes
+
+    assert incident_nodes({"a"}, {"a", "b", "c"}) == ({"a"}, False)
+    assert incident_nodes({"a", None}, {"a", "b"}) == ({"a"}, False)  # a rank with no node yet
+    assert incident_nodes({"a"}, {"a"}) == ({"a"}, False)  # a one-node world: nothing to compare with
+    assert incident_nodes({"a", "b"}, {"a", "b", "c", "d"}) == ({"a", "b"}, False)  # half is not most
+    assert incident_nodes({"a", "b"}, {"a", "b", "c"}) == (set(), True)
+    assert incident_nodes({"a", "b"}, {"a", "b"}) == (set(), True)

@@ -3,16 +3,44 @@
 It outlives the training processes of its node (a killed worker's files stay servable), receives
 its ring predecessor's shards as peer copies, records each committed step's manifest, serves its
 files in chunks to ranks on other nodes, and prunes. It holds no checkpoint in its own memory
-beyond one chunk at a time: the files are in the node's memory tier (/dev/shm).
+beyond a few chunks at a time: the files are in the node's memory tier (/dev/shm).
+
+It runs its calls on several threads (STORE_THREADS): an 8-GPU node's ranks copy to it, peers
+read from it for a recovery and its uploads run at once, none queued behind another. Chunks of
+one peer copy still land in order (a running CRC-32 is kept per file).
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import zlib
 from pathlib import Path
 
+from airay.checkpoint.budget import NodeMemory
 from airay.checkpoint.tiers import MemoryTier
+
+STORE_THREADS = 8
+# A call moving bytes may take this long plus a second per IO_FLOOR_BYTES_S it moves: the
+# slowest rate a healthy node's memory or network is assumed to reach (a fixed bound would be
+# too tight for a 10 GB file, or far too loose for a 64 MiB chunk).
+IO_BASE_S = 30.0
+IO_FLOOR_BYTES_S = 20 << 20
+
+
+def io_timeout_s(nbytes: int, base_s: float = IO_BASE_S) -> float:
+    """How long a call that moves `nbytes` may take before it has failed."""
+    return base_s + nbytes / IO_FLOOR_BYTES_S
+
+
+def host_id() -> str:
+    """This machine, whichever raylet asks: raylets of one host share its memory."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
 
 
 class NodeStore:
@@ -22,27 +50,47 @@ class NodeStore:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.tier = MemoryTier(base, self.node_id, job)
         self.foreign = self.tier.open()
-        self._incoming: dict[tuple[int, str], int] = {}  # (step, file) -> running crc32 of a peer copy
+        self._incoming: dict[tuple[int, str], tuple[int, int]] = {}  # (step, file) -> (next offset, running crc32)
+        self._arrived = threading.Condition()  # a chunk of some peer copy was written
+
+    def memory(self) -> dict:
+        """This node's memory figures (NodeMemory's fields) for the tier's budget."""
+        import psutil
+
+        vm = psutil.virtual_memory()
+        shm = os.statvfs(self.tier.root)
+        return NodeMemory(self.node_id, host_id(), vm.total, vm.available, shm.f_blocks * shm.f_frsize,
+                          shm.f_bavail * shm.f_frsize, self.tier.bytes()).__dict__
 
     def info(self) -> dict:
         """This node's id, its memory directory, and another job's stamp it found (and cleared)."""
         return {"node_id": self.node_id, "root": str(self.tier.root), "foreign": self.foreign}
 
     def receive(self, step: int, name: str, offset: int, data: bytes) -> int:
-        """Write a chunk of a peer copy (chunks arrive in order); returns the bytes written."""
+        """Write a chunk of a peer copy; returns the bytes written. Chunks of one file are sent
+        two at a time and may run on two threads: each waits for the one before it."""
+        key = (step, name)
+        with self._arrived:
+            if offset == 0:
+                self._incoming[key] = (0, 0)
+            if not self._arrived.wait_for(lambda: self._incoming.get(key, (None,))[0] == offset,
+                                          timeout=io_timeout_s(len(data))):
+                raise TimeoutError(f"chunk at {offset} of {name} of step {step}: the chunk before it never came")
         path = self.tier.step_dir(step) / f".{name}.part"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "r+b" if offset else "wb") as f:
             f.seek(offset)
             f.write(data)
-        key = (step, name)
-        self._incoming[key] = zlib.crc32(data, self._incoming.get(key, 0) if offset else 0)
+        with self._arrived:
+            self._incoming[key] = (offset + len(data), zlib.crc32(data, self._incoming[key][1]))
+            self._arrived.notify_all()
         return len(data)
 
     def received(self, step: int, name: str, size: int, crc32: int) -> bool:
         """A peer copy is complete: keep it if it arrived whole (size and CRC-32 of the sender's)."""
         part = self.tier.step_dir(step) / f".{name}.part"
-        got = self._incoming.pop((step, name), None)
+        with self._arrived:
+            got = self._incoming.pop((step, name), (None, None))[1]
         if not part.exists() or part.stat().st_size != size or got != crc32:
             part.unlink(missing_ok=True)
             return False
@@ -59,6 +107,11 @@ class NodeStore:
             path = self.tier.step_dir(step) / "manifest.json"
             out[step] = {"manifest": path.read_text() if path.exists() else None, "files": self.tier.files(step)}
         return out
+
+    def usage(self) -> dict[int, int]:
+        """{step: bytes} this node holds of each step (its own files, peer copies, partial ones)."""
+        return {step: sum(p.stat().st_size for p in self.tier.step_dir(step).iterdir() if p.is_file())
+                for step in self.tier.steps()}
 
     def read(self, step: int, name: str, offset: int, size: int) -> bytes:
         """Up to `size` bytes of a file from `offset` (b"" past its end)."""
@@ -122,8 +175,8 @@ def push_copy(store, step: int, path: str | os.PathLike, size: int, crc32: int, 
             pending.append(store.receive.remote(step, name, offset, data))
             offset += len(data)
             if len(pending) >= 2:
-                ray.get(pending.pop(0), timeout=300)
+                ray.get(pending.pop(0), timeout=io_timeout_s(2 * chunk))
             if len(data) < chunk:
                 break
-    ray.get(pending, timeout=300)
-    return ray.get(store.received.remote(step, name, size, crc32), timeout=300)
+    ray.get(pending, timeout=io_timeout_s(2 * chunk))
+    return ray.get(store.received.remote(step, name, size, crc32), timeout=io_timeout_s(0))

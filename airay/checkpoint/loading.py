@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from airay.checkpoint import reshard
+from airay.checkpoint.actors import io_timeout_s
 from airay.checkpoint.layout import Manifest, files_to_load, step_name
 from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_mmap, load_skeleton, \
     slice_range, storage_range, tensors_in
@@ -117,7 +118,7 @@ def _from_peer(store, step: int, name: str, dest: Path) -> tuple[int, int]:
     pending = [store.read.remote(step, name, 0, CHUNK)]
     with open(dest, "wb") as out:
         while pending:
-            data = ray.get(pending.pop(0), timeout=300)
+            data = ray.get(pending.pop(0), timeout=io_timeout_s(2 * CHUNK))
             if len(data) == CHUNK:  # there may be more: ask for the one after the next
                 pending.append(store.read.remote(step, name, offset + (len(pending) + 1) * CHUNK, CHUNK))
             out.write(data)
@@ -239,7 +240,7 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes, f.chunks,
                                    str(local if whole else Path(sparse_dir) / name), whole)
         fetchers[name] = [(f"peer:{node_id}", lambda off, n, store=store, name=name:
-                           ray.get(store.read.remote(step, name, off, n), timeout=300))
+                           ray.get(store.read.remote(step, name, off, n), timeout=io_timeout_s(n)))
                           for node_id, store in source.peers.get(name, [])]
         if storage is not None:
             fetchers[name].append(("durable", lambda off, n, name=name:

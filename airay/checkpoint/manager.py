@@ -15,14 +15,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from airay.checkpoint.actors import io_timeout_s
+from airay.checkpoint.budget import NodeMemory, SavePlan, node_budgets, plan_save, rank_bytes
 from airay.checkpoint.layout import CheckpointInfo, Manifest, load_order, step_name
 from airay.checkpoint.tiers import DurableTier
+from airay.health import RankOutcome
 
-# Bounds on the driver's waits for the ranks' background work of a save (files written, copies
-# made, uploads). They are far above what a healthy rank takes; a rank that takes longer has
-# failed, and its save with it (checkpoint_failed).
-PERSIST_TIMEOUT_S = 1800.0
-UPLOAD_TIMEOUT_S = 3600.0
+# The driver's waits for the ranks' background work of a save (files written, copies made,
+# uploads) are bounded by io_timeout_s of the bytes the largest rank's files hold, from this base: far above what a healthy rank takes; a rank
+# that takes longer has failed, and its save with it (checkpoint_failed).
+SAVE_BASE_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -88,8 +90,15 @@ class Checkpointer:
     failures of a tier set `fatal`: the run cannot checkpoint, and the controller ends it."""
 
     def __init__(self, durable: str, zero_stage: int, keep_last: int, recorder, job: dict,
-                 memory_base: str, memory_keep_last: int, upload_retries: int = 2, max_failures: int = 3):
+                 memory_base: str, memory_keep_last: int, upload_retries: int = 2, max_failures: int = 3,
+                 budget_fraction: float = 0.25, budget_bytes: int | None = None):
         self.durable = DurableTier(durable, job)
+        self.budget_fraction, self.budget_bytes = budget_fraction, budget_bytes
+        self.budgets: dict[str, int] = {}  # each node's memory-tier budget, as last checked
+        self.host_scale: dict[str, float] = {}  # budget factor per host, halved by each OOM kill there
+        self.node_hosts: dict[str, str] = {}  # node id -> its host, as its store said
+        self.last_manifest: Manifest | None = None  # the last committed save's: sizes the next one
+        self.step_bytes: dict[int, dict[str, int]] = {}  # committed step -> bytes each node holds of it, whole
         self.durable.claim()  # another job's checkpoints here: fail before any actor starts
         self.memory_base, self.job = memory_base, job
         self.zero_stage, self.keep_last, self.memory_keep_last, self.rec = zero_stage, keep_last, memory_keep_last, recorder
@@ -122,6 +131,20 @@ class Checkpointer:
         # time. An upload still running goes on beside this save.
         self._finish_persist()
         t0 = time.time()
+        plan = self._plan(group, step)
+        if plan.skip:
+            self.errors[step] = f"not saved: {plan.reason}"
+            self.rec.event("checkpoint_budget", step=step, action="skipped", reason=plan.reason,
+                           budget_bytes=min(self.budgets.values(), default=None), newest_durable_step=self.last_durable_step)
+            return [RankOutcome(r, "ok") for r in range(len(group.active))]
+        if plan.drop or plan.no_peer:
+            self.memory_steps = [s for s in self.memory_steps if s not in plan.drop]
+            if plan.drop:
+                group.prune_memory(self.memory_steps, also_drop=list(plan.drop))
+            self.rec.event("checkpoint_budget", step=step, action="dropped" if not plan.no_peer else "no_peer_copy",
+                           dropped_steps=list(plan.drop), no_peer_nodes=sorted(plan.no_peer), reason=plan.reason,
+                           budget_bytes=min(self.budgets.values(), default=None),
+                           planned_bytes=max(plan.use.values(), default=0))
         outcomes, _ = group.save(step, data_position, faults)
         if any(o.kind != "ok" for o in outcomes):
             bad = min((o for o in outcomes if o.kind != "ok"), key=lambda o: (not o.infra, o.rank))  # the lost one
@@ -133,9 +156,58 @@ class Checkpointer:
             return outcomes
         self._group = group
         self._inflight = PendingSave(step, durable, len(group.active), t0, time.time() - t0, t0 - t_wait,
-                                     group.persist(step), list(group.active))
+                                     group.persist(step, plan.no_peer), list(group.active))
         self.last_saved_step, self.last_saved_durable = step, durable
         return outcomes
+
+    # ---- the memory tier's budget (airay.checkpoint.budget) ------------------------------------
+
+    def check_budget(self, group, nodes: list[str] | None = None) -> dict[str, int]:
+        """Each node's budget from its memory figures now (at start and before each save); the
+        first check is recorded (memory_budget)."""
+        figures = [NodeMemory(**f) for f in group.node_memory(nodes)]
+        self.node_hosts.update({f.node_id: f.host for f in figures})
+        budgets = node_budgets(figures, self.budget_fraction, self.budget_bytes, self.host_scale)
+        if not self.budgets and figures:
+            self.rec.event("memory_budget", nodes=len(figures), budget_bytes=min(budgets.values()),
+                           fraction=self.budget_fraction, override_bytes=self.budget_bytes,
+                           mem_total_bytes=max(f.mem_total for f in figures),
+                           shm_free_bytes=min(f.shm_free for f in figures),
+                           hosts=len({f.host for f in figures}))
+        self.budgets.update(budgets)
+        return budgets
+
+    def _plan(self, group, step: int) -> SavePlan:
+        """What this save gives up to keep every node's tier within its budget."""
+        budgets = self.check_budget(group)
+        if not budgets:
+            return SavePlan()
+        own: dict[str, int] = {}
+        if self.last_manifest is not None:  # the first save is sized by its own files, later ones by the last
+            for member, nbytes in zip(group.active, rank_bytes(self.last_manifest, len(group.active))):
+                own[member.node_id] = own.get(member.node_id, 0) + nbytes
+        protected = {s.step for s in self._uploads.items()}
+        kept = group.memory_usage()
+        self.step_bytes = {s: b for s, b in self.step_bytes.items() if s in self.memory_steps}
+        for step, held in self.step_bytes.items():  # a peer copy still arriving counts whole
+            for node, nbytes in held.items():
+                if node in kept:
+                    kept[node][step] = max(kept[node].get(step, 0), nbytes)
+        return plan_save(budgets, kept, protected, own, group.ring())
+
+    def relieve_memory(self, group, nodes: list[str]) -> None:
+        """Ray's memory monitor killed ranks on `nodes`: their hosts' budgets are halved and every
+        node's tier keeps only its newest committed step (and what uploads still read) before
+        replacements start there."""
+        for node in nodes:
+            host = self.node_hosts.get(node, node)
+            self.host_scale[host] = self.host_scale.get(host, 1.0) / 2
+        keep = set(self.memory_steps[-1:]) | {s.step for s in self._uploads.items()}
+        dropped = [s for s in self.memory_steps if s not in keep]
+        self.memory_steps = [s for s in self.memory_steps if s in keep]
+        group.prune_memory(self.memory_steps, also_drop=dropped)
+        self.rec.event("memory_tier_reduced", nodes=nodes, dropped_steps=dropped, kept_steps=self.memory_steps,
+                       budget_scale={h[:24]: s for h, s in self.host_scale.items()})
 
     def note_wait(self, step: int, wait_s: float) -> None:
         """The step loop's wait at `step` for the previous save's live writes (its metric)."""
@@ -161,7 +233,7 @@ class Checkpointer:
             return
         save, self._inflight = self._inflight, None
         try:
-            reports = self._group.results(save.refs, PERSIST_TIMEOUT_S)
+            reports = self._group.results(save.refs, self._save_timeout_s())
         except Exception as exc:  # a rank died or its files failed: the step stays uncommitted
             if self.last_saved_step == save.step:
                 self.last_saved_step = None
@@ -170,8 +242,14 @@ class Checkpointer:
         self.consecutive_failures["memory"] = 0
         save.manifest = Manifest.from_reports(save.step, save.world_size, self.zero_stage, self.job, reports,
                                               time.time())
+        self.last_manifest = save.manifest
         save.holders = {rank: [n for n in (r["node_id"], r.get("peer_node")) if n] for rank, r in enumerate(reports)}
         peers = sorted({r["peer_node"] for r in reports if r.get("peer_node")})
+        held: dict[str, int] = {}  # with its peer copies, which may still be on their way
+        for f in save.manifest.files.values():
+            for node in save.holders[f.rank]:
+                held[node] = held.get(node, 0) + f.size
+        self.step_bytes[save.step] = held
         self._group.commit_memory(save.step, save.manifest.to_json())
         save.memory_ts = time.time()
         self.memory_steps = [s for s in self.memory_steps if s != save.step] + [save.step]
@@ -277,9 +355,16 @@ class Checkpointer:
     def _collect_uploads(self, save: PendingSave) -> dict[int, str]:
         """Gather the upload calls in flight into save.uploaded; returns {rank: error} of those that failed."""
         keys = save.lost if save.retried else list(range(len(save.refs)))
-        done, failed = self._group.each_result(save.refs, keys, UPLOAD_TIMEOUT_S)
+        done, failed = self._group.each_result(save.refs, keys, self._save_timeout_s())
         save.uploaded.update(done)
         return failed
+
+    def _save_timeout_s(self) -> float:
+        """A rank's background work on a save (writing its files, uploading them) is bounded by
+        the bytes of the largest rank's files in the last manifest (io_timeout_s)."""
+        largest = max(rank_bytes(self.last_manifest, self.last_manifest.world_size), default=0) \
+            if self.last_manifest is not None else 0
+        return io_timeout_s(largest, SAVE_BASE_TIMEOUT_S)
 
     def _prune_memory(self) -> None:
         """Keep the newest memory_keep_last committed steps on every node (and steps still
@@ -320,6 +405,9 @@ class Checkpointer:
             self.last_durable_step = newest  # e.g. what an earlier run of the job left
         if group is not None:
             found += group.memory_checkpoints(self.job)
+            for failure in group.catalog_failures:
+                self.rec.event("checkpoint_catalog_timeout", **failure)
+            group.catalog_failures.clear()
         return load_order(found)
 
     def latest(self, group=None) -> CheckpointInfo | None:

@@ -105,6 +105,10 @@ class MemoryTier:
         return {p.name: p.stat().st_size for p in d.iterdir()
                 if p.is_file() and not p.name.startswith(".") and p.name != MANIFEST} if d.is_dir() else {}
 
+    def bytes(self) -> int:
+        """Bytes of every file in the tier (steps, peer copies, partial ones)."""
+        return sum(p.stat().st_size for p in self.root.glob("step_*/*") if p.is_file())
+
     def manifest(self, step: int) -> Manifest | None:
         path = self.step_dir(step) / MANIFEST
         try:

@@ -124,6 +124,42 @@ MATRIX: dict[str, Row] = {
 }
 
 
+@dataclass(frozen=True)
+class Tested:
+    fault: str
+    detected: str
+    action: str
+    outcome: str
+    where: str  # the tests (and benchmarks) that run it
+
+
+# Faults run by other tests than the matrix (their own clusters, or no cluster: a scripted group
+# or the classifier alone): what airay does, and where it is checked.
+ELSEWHERE: dict[str, Tested] = {
+    "memory_pressure": Tested(
+        "the memory tier outgrows the node (large checkpoints, several kept steps and their peer copies "
+        "in /dev/shm beside the workers)",
+        "each save is planned against every node's tier budget (`checkpoint.memory_budget_fraction` of its "
+        "RAM or `memory_budget_gb`, capped by /dev/shm's room; `memory_budget`, `checkpoint_budget`); a rank "
+        "Ray's memory monitor kills: `worker_failed` outcome `oom` with its node's memory figures",
+        "drop the oldest kept steps, then the peer copies to nodes that would overflow, then skip the save; "
+        "after an out-of-memory loss halve that machine's budget and prune every tier to its newest step "
+        "before the replacement starts (`memory_tier_reduced`)",
+        "continued",
+        "`tests/test_checkpoint_tiers.py` (tiers measured on disk), `tests/test_controller.py`, "
+        "`benchmarks/memory_pressure.py` (issue 28's 100M-parameter scenario)"),
+    "cluster_wide_incident": Tested(
+        "`kill_worker` on ranks of most nodes at once (a cause of the cluster's: memory pressure, a storage "
+        "outage, a bad driver)",
+        "one incident (a failed round, save, join or load) struck over half the world's nodes "
+        "(`incident_not_counted`); an incident otherwise counts once per node, however many ranks it took",
+        "recover; no node's count toward `health.exclude_node_after_failures` grows; an exclusion that "
+        "would leave too little room for `scaling.min_workers` ends the run at once with the reason",
+        "recovered",
+        "`tests/test_checkpoint_tiers.py`, `tests/test_controller.py`"),
+}
+
+
 def _num(v, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
@@ -168,6 +204,17 @@ def render(results: dict) -> str:
                      f"{_num(c.get('detect_s'))} | {_num(c.get('recover_s'))} |")
     lines += [
         "",
+        "## Tested elsewhere",
+        "",
+        "Faults other tests run (their own clusters, a scripted worker group, or the classifier alone); no "
+        "times here, see each test.",
+        "",
+        "| fault | detected by | airay does | outcome | tested by |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [f"| {t.fault} | {t.detected} | {t.action} | {t.outcome} | {t.where} |" for t in ELSEWHERE.values()]
+    lines += [
+        "",
         "Notes:",
         "",
         "- `timeouts.hang_timeout_s` (default 60) must exceed the slowest phase of a step (one micro-batch's "
@@ -184,8 +231,10 @@ def render(results: dict) -> str:
         "recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
         "of retries. Every recovery counts against `max_failures` within `health.failure_window_s`; "
         "`health.restart_backoff_s` adds a doubling wait for recurring failures.",
-        "- An excluded node's bundles stay reserved by their placement groups until the run ends (Ray cannot "
-        "release one bundle of a group); new placement groups avoid it by label selector.",
+        "- An excluded node's placement groups are released once no worker of the run holds them "
+        "(`placement_released`); a group with bundles on other nodes too keeps the excluded node's bundle "
+        "until those are vacant (Ray cannot release one bundle of a group); new placement groups avoid the "
+        "node by label selector.",
         "- Data faults (`lose_data_block`: a rank's rows of a step come from a block whose owner died; "
         "`stall_data_block`: from one that never arrives) are run by `tests/test_data_stream.py` on streamed "
         "parquet data: the fetch fails (ObjectLostError, or no block within `data.fetch_timeout_s`), the "

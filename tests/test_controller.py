@@ -279,3 +279,20 @@ def test_saves_keep_each_nodes_memory_tier_within_its_budget(tmp_path, monkeypat
     assert all(e["planned_bytes"] <= 300 for e in acted)
     group = factory.made[0]
     assert all(sum(held.values()) <= 300 for held in group.memory_usage().values())
+
+
+def test_a_durable_save_waits_for_the_upload_that_holds_its_room_instead_of_being_skipped(tmp_path, monkeypatch):
+    # Budget 200 B a node; a step is 128 B of a node's own files (+128 B of its peer's copy). Uploads
+    # never finish on their own (ready: False): each durable save finds the last one's step kept for it.
+    figures = {f"node{i}": {"host": f"h{i}", "mem_total": 800, "mem_available": 400, "shm_total": 10**9,
+                            "shm_free": 10**9, "tier_bytes": 0} for i in range(2)}
+    monkeypatch.setattr(FakeGroup, "node_memory",
+                        lambda self, nodes=None, timeout_s=10.0: [dict(f, node_id=n) for n, f in figures.items()])
+    monkeypatch.setattr(FakeGroup, "ready", staticmethod(lambda refs, timeout_s=0.0: False))
+    ctl, factory = controller(tmp_path)
+    result = ctl.run()
+    assert result.status == "finished" and result.durable_step == STEPS
+    actions = [(e["step"], e["action"]) for e in events(ctl, "checkpoint_budget")]
+    assert ("waited_for_upload" in {a for _, a in actions}) and all(a != "skipped" for _, a in actions), actions
+    assert sorted(e["step"] for e in events(ctl, "checkpoint_saved") if e["tier"] == "durable") == [5, 10, 15, 20]
+    assert factory.made[0].no_peer[10] == {"node0", "node1"}  # after the wait: own files only fit

@@ -132,6 +132,13 @@ class Checkpointer:
         self._finish_persist()
         t0 = time.time()
         plan = self._plan(group, step)
+        if plan.skip and durable and self._uploads.items():
+            # A durable step is not skipped for room an upload holds: wait for it, then plan again.
+            t_upload = time.time()
+            self.wait()
+            self.rec.event("checkpoint_budget", step=step, action="waited_for_upload", wait_s=time.time() - t_upload,
+                           reason=plan.reason)
+            plan = self._plan(group, step)
         if plan.skip:
             self.errors[step] = f"not saved: {plan.reason}"
             self.rec.event("checkpoint_budget", step=step, action="skipped", reason=plan.reason,

@@ -1,9 +1,9 @@
-"""Issue 28's first scenario, as a new user runs it: does the memory tier stay within the machine?
+"""Issues 27 and 28's scenario, as a new user runs it: does the memory tier stay within the machine?
 
-The tiny GPT at d_model 1024, 8 layers (100M parameters), ZeRO-2, 4 workers on a local cluster of
-4 one-CPU nodes on this machine; a memory-tier save every 2 steps and a durable one every 4, the
-memory tier in its default place (/dev/shm/airay, RAM) with its default budget and retention;
-rank 1 SIGKILLed at step 7; 12 steps. The same job without the fault is the reference. Before the
+The tiny GPT at d_model 1024, 8 layers (100M parameters), sequence 8, global batch 12, micro-batch
+1, ZeRO-2, 4 workers on a local cluster of 4 one-CPU nodes on this machine; a memory-tier save
+every 2 steps and a durable one every 4, the memory tier in its default place (/dev/shm/airay,
+RAM) with its default budget and retention; rank 1 SIGKILLed at step 7; 12 steps. The same job without the fault is the reference. Before the
 tier had a budget, /dev/shm held 11 GB after the kill and the regrow beside four 2.6 GB workers:
 Ray's memory monitor killed every rank, every node was excluded and the run failed.
 
@@ -37,7 +37,7 @@ def job(run_dir: Path, durable: Path, d_model: int, steps: int, kill: bool) -> d
                       "kwargs": {"d_model": d_model, "n_layers": LAYERS, "n_heads": 8, "seq_len": SEQ}},
             "loss_fn": "airay.models.tiny_gpt:loss", "data": {"kwargs": {"seq_len": SEQ}},
             "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}},
-            "global_batch_size": 4, "micro_batch_size": 1, "max_steps": steps, "steps_per_round": 1,
+            "global_batch_size": 12, "micro_batch_size": 1, "max_steps": steps, "steps_per_round": 1,
             "scaling": {"min_workers": 2, "max_workers": WORKERS},
             "checkpoint": {"path": str(durable), "every_n_steps": 4, "fast_every_n_steps": 2},
             "chaos": [{"fault": "kill_worker", "at_step": 7, "rank": 1}] if kill else [],

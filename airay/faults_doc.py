@@ -180,10 +180,23 @@ def render(results: dict) -> str:
         "- A rank is hung when its progress stood still for `hang_timeout_s` and either its heartbeat stopped "
         "answering or it is the furthest behind (the others wait for it in a collective); if every rank "
         "stands still at the same point, all are hung.",
-        "- Infrastructure faults (actor or node death, hang, MemoryError / Ray OutOfMemoryError, lost objects) "
-        "recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
+        "- Infrastructure faults (actor or node death, hang, MemoryError / Ray OutOfMemoryError or a kill by Ray's "
+        "memory monitor, a CUDA error, lost objects) recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
         "of retries. Every recovery counts against `max_failures` within `health.failure_window_s`; "
         "`health.restart_backoff_s` adds a doubling wait for recurring failures.",
+        "- Exceptions on a rank are named where they are raised (`airay/worker/failures.py`, by type, message and "
+        "whose code raised them). A CUDA error (device-side assert, illegal address, ECC error, failed launch; "
+        "`torch.AcceleratorError`) is infrastructure wherever it surfaces, in the loss, the backward, the optimizer "
+        "step, a join, save or load (`worker_failed`, outcome `gpu_error`): the process is killed and replaced, its "
+        "CUDA context never reused. NCCL's own failure (a system or internal error) is its rank's (`nccl_error`) only "
+        "when it stands out: no other rank lost and not every rank reporting one. A peer's failure seen through NCCL "
+        "(remote error, connection closed or reset, an aborted communicator, the watchdog's timeout) stays a "
+        "communication error. An exception raised in airay's own code (`internal_error`) is retried once from the "
+        "last checkpoint on the same world, then fails the run with the rank and the traceback. A rank killed by "
+        "Ray's memory monitor is outcome `oom`. The chaos faults `device_error` (a real device-side assert on a CUDA "
+        "device, simulated elsewhere) and `raise_in_airay` are run by `tests/test_fault_matrix.py` and on a GPU by "
+        "`benchmarks/gpu_errors.py`; they are not yet rows of this table, which only a full measured run "
+        "regenerates.",
         "- An excluded node's bundles stay reserved by their placement groups until the run ends (Ray cannot "
         "release one bundle of a group); new placement groups avoid it by label selector.",
         "- Data faults (`lose_data_block`: a rank's rows of a step come from a block whose owner died; "

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 # Faults a worker strikes inside its step; the rest act on the cluster or on files.
-STEP_FAULTS = ("kill_worker", "hang_worker", "raise_in_user_code", "oom_worker", "slow_worker")
+STEP_FAULTS = ("kill_worker", "hang_worker", "raise_in_user_code", "oom_worker", "slow_worker", "raise_in_airay",
+               "device_error")
 
 # How far above its current address space a worker told to run out of memory may grow: small,
 # so the fault never takes memory from the rest of a shared machine.
@@ -70,10 +71,31 @@ def strike(fault: dict[str, Any], step: int, rank: int) -> None:
                 time.sleep(3600)
     elif kind == "raise_in_user_code":
         raise ChaosError(f"chaos raise_in_user_code at step {step} on rank {rank}")
+    elif kind == "raise_in_airay":
+        # A plain IndexError raised by airay's code, as an off-by-one in its loader would: not a
+        # ChaosError, which stands for the user's code (airay.worker.failures.raised_in_airay).
+        raise IndexError(f"chaos raise_in_airay at step {step} on rank {rank}: list index out of range")
+    elif kind == "device_error":
+        device_side_assert()
     elif kind == "oom_worker":
         exhaust_memory()
     elif kind == "slow_worker":
         time.sleep(fault["delay_s"])
+
+
+def device_side_assert() -> None:
+    """Trip a device-side assert on this process's CUDA device: an index past the end of a device
+    tensor fails the kernel's bounds check. Launched, not waited for: CUDA reports it at a later
+    call (the loss, the backward, the optimizer step or the step's synchronize), as it reports a
+    real fault, and every call on this context fails from then on. Without CUDA, the error torch
+    would raise is raised here."""
+    import torch
+
+    # A rank on a GPU set its device when it started (TrainWorker); a CPU rank never touches CUDA.
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered (chaos device_error, simulated: this "
+                                     "process has no CUDA device)")
+    torch.zeros(4, device="cuda")[torch.full((1,), 1 << 20, device="cuda")]
 
 
 def exhaust_memory(headroom: int = OOM_HEADROOM_BYTES) -> None:

@@ -243,7 +243,8 @@ class CheckpointSpec(_Spec):
 
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
                     "corrupt_checkpoint", "corrupt_memory_copy", "lose_node_memory", "slow_worker",
-                    "lose_data_block", "stall_data_block", "kill_driver", "break_storage"]
+                    "lose_data_block", "stall_data_block", "kill_driver", "break_storage", "raise_in_airay",
+                    "device_error"]
 # Faults the driver strikes on the data it hands a round (airay.chaos.spoil_rows), not at a round's start.
 DATA_FAULTS = ("lose_data_block", "stall_data_block")
 # Where a kill_worker or hang_worker strikes: inside a training step, or inside the next world
@@ -258,7 +259,10 @@ class ChaosSpec(_Spec):
     add_node: add a node (local cluster). hang_worker: the rank blocks inside the step
     (`hang_mode` sleep: a blocking call in the training thread; sigstop: the whole process
     stops, heartbeat included). raise_in_user_code: the rank's loss function raises.
-    oom_worker: the rank's address space is capped just above its use, then it allocates until
+    raise_in_airay: airay's own code raises on the rank inside the step (an IndexError, as a bug
+    in its loader would). device_error: the rank's device fails inside the step: on a CUDA device
+    a real device-side assert (an out-of-range index in a device tensor, reported wherever CUDA
+    reports it next); without one, torch.AcceleratorError with CUDA's message. oom_worker: the rank's address space is capped just above its use, then it allocates until
     MemoryError. corrupt_checkpoint: flip bytes in every copy of a file of the newest committed
     checkpoint, then kill the rank so the run must load one (it falls back to the step before).
     corrupt_memory_copy: flip bytes in one copy, the one on the rank's node, of a file the rank

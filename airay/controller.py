@@ -35,6 +35,10 @@ from airay.worker_group import WorkerGroup
 # checks take longer, and then the loss is recorded as worker_failed (the recovery is the same).
 NODE_VERDICT_WAIT_S = 3.0
 
+# An exception airay's own code raised on a rank (health.INTERNAL_ERRORS) is retried this many
+# times in a run (a state that a re-formed world clears); the next one fails the run with it.
+INTERNAL_ERROR_RETRIES = 1
+
 
 class RunFailed(RuntimeError):
     pass
@@ -129,6 +133,7 @@ class Controller:
         self.incidents: list[float] = []  # when each recovery began (the budget's sliding window)
         self.node_failures: dict[str, int] = {}
         self.user_retries = 0
+        self.internal_retries = 0
         self.stragglers: set[int] = set()  # ranks reported as stragglers in the current world
         self.pending_resize: _PendingResize | None = None
         self.verdict: RoundVerdict | None = None  # the failure being recovered from
@@ -375,7 +380,8 @@ class Controller:
         # "Unavailable" (not "died") means Ray lost contact with the actor's node, so its health
         # check gets a moment (NODE_VERDICT_WAIT_S) to tell a dead node from a dead process.
         lost = [r for r in verdict.lost_ranks if verdict.outcomes[r].kind != "hung"]
-        suspects = {group.member(r).node_id for r in lost if "unavailable" in verdict.outcomes[r].error.lower()}
+        suspects = {group.member(r).node_id for r in lost
+                    if verdict.outcomes[r].kind == "died" and "unavailable" in verdict.outcomes[r].error.lower()}
         dead_nodes = group.dead_nodes({group.member(r).node_id for r in lost}, suspects, NODE_VERDICT_WAIT_S)
         # Ranks Ray's memory monitor killed (or that ran out of memory): their nodes' figures go
         # in the event, and the memory tier gives memory back before their replacements start.
@@ -402,9 +408,12 @@ class Controller:
         self._count_incident({group.member(r).node_id for r in verdict.lost_ranks})
         if oom_nodes:
             self.ckpt.relieve_memory(group, oom_nodes)
-        if verdict.kind in ("comm_error", "user_error"):
-            self.rec.event("worker_failed", step=self.step, rank=None, outcome=verdict.kind, error=verdict.message)
-            self.failures.append(Failure(self.t_detect, verdict.kind, None, None, self.step))
+        if verdict.kind in ("comm_error", "user_error", "internal_error"):
+            # No rank is lost: the same world re-forms (its workers kept) and reloads.
+            node = group.member(verdict.rank).node_id if verdict.rank is not None else None
+            self.rec.event("worker_failed", step=self.step, rank=verdict.rank, node_id=node, phase=self.failed_phase,
+                           outcome=verdict.kind, error=verdict.message)
+            self.failures.append(Failure(self.t_detect, verdict.kind, verdict.rank, node, self.step))
         self._check_budget()
         drop = list(verdict.lost_ranks)
         exclude = policy.nodes_to_exclude(self.node_failures, self.cfg.health.exclude_node_after_failures,
@@ -648,9 +657,10 @@ class Controller:
         return None
 
     def _ok(self, outcomes, fault_ts: float | None = None, phase: str = "round") -> bool:
-        """True if every rank's call succeeded. A user-code error fails the run; any other
-        failure is kept for _recovering (with its detection time; `fault_ts`: when our own
-        chaos struck, for detection_s; `phase`: the call that failed: round, form, load, save)."""
+        """True if every rank's call succeeded. A user-code error fails the run, and so does an
+        error of airay's own code the second time; any other failure is kept for _recovering
+        (with its detection time; `fault_ts`: when our own chaos struck, for detection_s;
+        `phase`: the call that failed: round, form, load, save)."""
         verdict = classify_round(outcomes)
         if verdict.kind == "ok":
             return True
@@ -660,6 +670,12 @@ class Controller:
                 raise RunFailed(verdict.message + "\n(an error in user code is not retried: fix the code, "
                                 "or set health.retry_user_errors to allow retries)")
             self.user_retries += 1  # opted in (health.retry_user_errors); bounded, never a loop
+        if verdict.kind == "internal_error":
+            if self.internal_retries >= INTERNAL_ERROR_RETRIES:
+                raise RunFailed(verdict.message + f"\n(an error in airay's own code, not in yours, in the {phase}; "
+                                f"airay retried {self.internal_retries} time(s) from the last checkpoint and it came "
+                                "back: please report it with this traceback)")
+            self.internal_retries += 1
         self.verdict = verdict
         self.t_detect = self.group.first_failure_ts or time.time()
         self.detection_s = self.t_detect - fault_ts if fault_ts is not None else None

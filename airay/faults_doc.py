@@ -157,6 +157,38 @@ ELSEWHERE: dict[str, Tested] = {
         "would leave too little room for `scaling.min_workers` ends the run at once with the reason",
         "recovered",
         "`tests/test_checkpoint_tiers.py`, `tests/test_controller.py`"),
+    "device_error": Tested(
+        "`device_error` (a device-side assert on the rank's GPU: an out-of-range index in a CUDA tensor; on "
+        "CPU, `torch.AcceleratorError` with CUDA's message)",
+        "the rank's call raises GPUError: the worker names CUDA's error wherever it surfaces (loss, backward, "
+        "optimizer step, join, save, load) (`worker_failed`, outcome gpu_error)",
+        "kill the rank's process (its CUDA context is never reused), start a replacement in its bundle, "
+        "recover like a crash from the last checkpoint, regrow",
+        "recovered",
+        "`tests/test_fault_matrix.py` (device_error test), `tests/test_failures.py` (each class by message and "
+        "type), `benchmarks/gpu_errors.py` (a real device-side assert; not yet run on a GPU)"),
+    "nccl_error": Tested(
+        "NCCL's own failure on one rank (ncclSystemError / ncclInternalError, no peer named)",
+        "NCCLError on that rank while the others report a peer's failure (`worker_failed`, outcome "
+        "nccl_error); every rank reporting one is the network's (comm_error)",
+        "replace that rank as for a GPU error; otherwise re-form the same world",
+        "recovered",
+        "`tests/test_failures.py`, `tests/test_controller.py`"),
+    "raise_in_airay": Tested(
+        "`raise_in_airay` (airay's own code raises an IndexError inside the step)",
+        "the rank's call raises InternalError: innermost frame in airay, not a collective's, not one of "
+        "airay's named outcomes (`worker_failed`, outcome internal_error, with rank and traceback)",
+        "re-form the same world and reload the last checkpoint, once per run; the second time fail the run "
+        "with the rank, the phase and the traceback (`run_failed`), before the failure budget",
+        "recovered, then failed fast",
+        "`tests/test_fault_matrix.py` (device_error test), `tests/test_controller.py`"),
+    "memory_monitor": Tested(
+        "Ray's memory monitor kills a rank (its node ran low on memory)",
+        "OutOfMemoryError / ActorDiedError saying \"killed due to the node running low on memory\" "
+        "(`worker_failed`, outcome oom, with the node's memory figures)",
+        "halve that machine's memory-tier budget and prune the tiers, replace the worker, recover like a crash",
+        "recovered",
+        "`tests/test_failures.py`, `tests/test_controller.py`"),
 }
 
 
@@ -227,10 +259,22 @@ def render(results: dict) -> str:
         "- A rank is hung when its progress stood still for `hang_timeout_s` and either its heartbeat stopped "
         "answering or it is the furthest behind (the others wait for it in a collective); if every rank "
         "stands still at the same point, all are hung.",
-        "- Infrastructure faults (actor or node death, hang, MemoryError / Ray OutOfMemoryError, lost objects) "
-        "recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
+        "- Infrastructure faults (actor or node death, hang, MemoryError / Ray OutOfMemoryError or a kill by Ray's "
+        "memory monitor, a CUDA error, lost objects) recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
         "of retries. Every recovery counts against `max_failures` within `health.failure_window_s`; "
         "`health.restart_backoff_s` adds a doubling wait for recurring failures.",
+        "- Exceptions on a rank are named where they are raised (`airay/worker/failures.py`, by type, message and "
+        "whose code raised them). A CUDA error (device-side assert, illegal address, ECC error, failed launch; "
+        "`torch.AcceleratorError`) is infrastructure wherever it surfaces, in the loss, the backward, the optimizer "
+        "step, a join, save or load (`worker_failed`, outcome `gpu_error`): the process is killed and replaced, its "
+        "CUDA context never reused. NCCL's own failure (a system or internal error) is its rank's (`nccl_error`) only "
+        "when it stands out: no other rank lost and not every rank reporting one. A peer's failure seen through NCCL "
+        "(remote error, connection closed or reset, an aborted communicator, the watchdog's timeout) stays a "
+        "communication error. An exception raised in airay's own code (`internal_error`) is retried once from the "
+        "last checkpoint on the same world, then fails the run with the rank and the traceback. A rank killed by "
+        "Ray's memory monitor is outcome `oom`. The chaos faults `device_error` (a real device-side assert on a CUDA "
+        "device, simulated elsewhere) and `raise_in_airay` are run by `tests/test_fault_matrix.py` and on a GPU by "
+        "`benchmarks/gpu_errors.py`; their rows are in the table of faults tested elsewhere.",
         "- An excluded node's placement groups are released once no worker of the run holds them "
         "(`placement_released`); a group with bundles on other nodes too keeps the excluded node's bundle "
         "until those are vacant (Ray cannot release one bundle of a group); new placement groups avoid the "

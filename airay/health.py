@@ -5,6 +5,7 @@ Pure: the worker group turns Ray's futures and heartbeats into plain values; thi
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Literal
@@ -13,11 +14,32 @@ OutcomeKind = Literal["ok", "died", "errored", "silent", "hung"]
 
 # Exceptions raised inside a worker that say its process or its memory failed, not its code:
 # the rank is replaced like a crash. MemoryError: the worker ran out of address space or RAM;
-# OutOfMemoryError: Ray's memory monitor killed a task; ObjectLostError and friends: an object
-# the call needed was lost with its node.
-INFRA_ERRORS = frozenset({"MemoryError", "OutOfMemoryError", "ObjectLostError", "OwnerDiedError",
+# OutOfMemoryError: Ray's memory monitor killed a task, or CUDA's allocator ran out (torch's
+# class of the same name); GPUError: a CUDA error on the rank's device (airay.worker.failures:
+# its process must not be reused); ObjectLostError and friends: an object the call needed was
+# lost with its node.
+INFRA_ERRORS = frozenset({"MemoryError", "OutOfMemoryError", "GPUError", "ObjectLostError", "OwnerDiedError",
                           "ObjectReconstructionFailedError", "ObjectFetchTimedOutError", "NodeDiedError",
                           "WorkerCrashedError"})
+
+# NCCL failed in a rank's process (a system or an internal error, airay.worker.failures.NCCLError).
+# The rank's own fault when it stands out: no other rank was lost (a peer's death shows as such
+# errors on its survivors), and not every rank of the world reported one (NCCL 2.18 words every
+# network error as an internal error: the whole world seeing one is the network's).
+NCCL_ERRORS = frozenset({"NCCLError"})
+
+# airay's own code raised it on the rank (airay.worker.failures.InternalError): retried once.
+INTERNAL_ERRORS = frozenset({"InternalError"})
+
+# Ray's memory monitor killing a worker, in the error its callers get (ray.exceptions.OutOfMemoryError
+# for the call it ran, ActorDiedError for calls to the dead actor): "Task was killed due to the node
+# running low on memory." up to Ray 2.54 (Ray's docs, ray-oom-prevention), "2 worker(s) were killed
+# due to the node running low on memory. Memory on the node (IP: ..., ID: ...) was 21.84GB used /
+# 23.54GB limit (0.927782)" since (the raylet's "%d worker(s) were killed due to the node running
+# low on memory. %s"; this text from Ray 2.60 on this machine). Kept: that line, and the node's
+# memory figures where they follow on the next (older Rays).
+_MEMORY_MONITOR = re.compile(
+    r"[^\n]*killed due to the node running low on memory[^\n]*(\nMemory on the node[^\n]*)?")
 
 
 _LOST_KINDS = frozenset({"died", "silent", "hung"})
@@ -33,44 +55,65 @@ class RankOutcome:
     kind: OutcomeKind  # died: the process is gone; errored: its method raised; silent: no answer; hung: no progress
     error: str = ""
     user_error: bool = False  # the exception came from the user's model, loss or data code
-    cause: str = ""  # the exception's class name, when the method raised
+    # The exception's class name, when the method raised; for a death, OutOfMemoryError when
+    # Ray's memory monitor killed the process (actor_died).
+    cause: str = ""
     step: int | None = None  # the step it failed at, when the error says (a data failure)
 
     @property
     def infra(self) -> bool:
-        """The rank itself failed (process, node, memory, hang): replace it, don't blame the code."""
+        """The rank itself failed (process, node, memory, device, hang): replace it, don't blame
+        the code. An NCCL error is decided with the round in view (classify_round)."""
         return self.kind in _LOST_KINDS or (self.kind == "errored" and self.cause in INFRA_ERRORS)
 
     @property
     def fault(self) -> str:
         """The failure's name in events and summaries."""
-        if self.kind == "errored" and self.cause in ("MemoryError", "OutOfMemoryError"):
+        if self.cause in ("MemoryError", "OutOfMemoryError"):  # raised, or killed by Ray's memory monitor
             return "oom"
-        if self.kind == "errored" and self.cause in INFRA_ERRORS:
-            return "object_lost"
-        if self.kind == "errored" and self.cause in DATA_ERRORS:
-            return "data_lost"
+        if self.kind == "errored":
+            return _ERROR_FAULTS.get(self.cause) or ("object_lost" if self.cause in INFRA_ERRORS else self.kind)
         return self.kind
+
+
+_ERROR_FAULTS = {"GPUError": "gpu_error", "NCCLError": "nccl_error", "InternalError": "internal_error",
+                 **{c: "data_lost" for c in DATA_ERRORS}}
+
+
+def actor_died(rank: int, cause: str, text: str) -> RankOutcome:
+    """The outcome of a rank whose actor died (`cause`: the Ray error's class name, `text`: its
+    message): killed by Ray's memory monitor (outcome oom, with the node's memory figures) or
+    gone otherwise (its first line)."""
+    oom = _MEMORY_MONITOR.search(text)
+    if oom:
+        return RankOutcome(rank, "died", error=" ".join(oom.group(0).split()), cause="OutOfMemoryError")
+    return RankOutcome(rank, "died", error=text.splitlines()[0] if text else cause, cause=cause)
 
 
 @dataclass(frozen=True)
 class RoundVerdict:
-    kind: Literal["ok", "lost", "user_error", "data_lost", "comm_error"]
+    kind: Literal["ok", "lost", "user_error", "data_lost", "internal_error", "comm_error"]
     lost_ranks: tuple[int, ...] = ()
     message: str = ""
     outcomes: tuple[RankOutcome, ...] = field(default=(), repr=False)
+    rank: int | None = None  # the rank the message is about (user_error, data_lost, internal_error)
 
 
 def classify_round(outcomes: list[RankOutcome]) -> RoundVerdict:
     """ok: every rank finished. lost: some rank died, hung, went silent or hit an infrastructure
-    error (survivors' errors are collateral: their collective lost a peer). user_error: no rank
-    was lost and some rank's own code raised; retrying would fail again. data_lost: no rank was
-    lost, no user code failed, and some rank could not fetch a block of its step (the others'
-    collectives failed with it); the same world re-runs the round. comm_error: ranks failed in
-    collectives with no rank lost."""
+    error (host or GPU memory, a CUDA error, an NCCL error of its own: NCCL_ERRORS); survivors'
+    errors are collateral: their collective lost a peer. user_error: no rank was lost and some
+    rank's own code raised; retrying would fail again. data_lost: no rank was lost, no user code
+    failed, and some rank could not fetch a block of its step (the others' collectives failed
+    with it); the same world re-runs the round. internal_error: none of those, and airay's own
+    code raised on some rank. comm_error: ranks failed in collectives with no rank lost."""
     # Inlined RankOutcome.infra: this runs over every rank after each failure (4,096 in benchmarks/decision.py).
     lost = tuple(o.rank for o in outcomes
                  if o.kind in _LOST_KINDS or (o.kind == "errored" and o.cause in INFRA_ERRORS))
+    if not lost:
+        nccl = tuple(o.rank for o in outcomes if o.kind == "errored" and o.cause in NCCL_ERRORS)
+        if nccl and not len(nccl) == len(outcomes) > 1:
+            lost = nccl
     if lost:
         return RoundVerdict("lost", lost, outcomes=tuple(outcomes))
     errored = [o for o in outcomes if o.kind == "errored"]
@@ -80,10 +123,16 @@ def classify_round(outcomes: list[RankOutcome]) -> RoundVerdict:
     if users:
         first = min(users, key=lambda o: o.rank)
         return RoundVerdict("user_error", message=f"user code failed on rank {first.rank}:\n{first.error}",
-                            outcomes=tuple(outcomes))
+                            outcomes=tuple(outcomes), rank=first.rank)
     data = [o for o in errored if o.cause in DATA_ERRORS]
     if data:
-        return RoundVerdict("data_lost", message=f"rank {data[0].rank}: {data[0].error}", outcomes=tuple(outcomes))
+        return RoundVerdict("data_lost", message=f"rank {data[0].rank}: {data[0].error}", outcomes=tuple(outcomes),
+                            rank=data[0].rank)
+    internal = [o for o in errored if o.cause in INTERNAL_ERRORS]
+    if internal:
+        first = internal[0]
+        return RoundVerdict("internal_error", message=f"airay's own code failed on rank {first.rank}:\n{first.error}",
+                            outcomes=tuple(outcomes), rank=first.rank)
     first = min(errored, key=lambda o: o.rank)
     return RoundVerdict("comm_error", message=f"rank {first.rank}: {first.error}", outcomes=tuple(outcomes))
 
@@ -165,7 +214,8 @@ class Failure:
     """One failure the run recovered from (or gave up on): what, where, when."""
 
     ts: float
-    fault: str  # died, hung, silent, oom, object_lost, data_lost, comm_error, user_error
+    # died, hung, silent, oom, gpu_error, nccl_error, object_lost, data_lost, internal_error, comm_error, user_error
+    fault: str
     rank: int | None
     node_id: str | None
     step: int

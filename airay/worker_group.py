@@ -21,9 +21,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from airay import placement, policy
 from airay.checkpoint.actors import STORE_THREADS, NodeStore
 from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
-from airay.health import RankOutcome, find_hung, position
+from airay.health import RankOutcome, actor_died, find_hung, position
 from airay.policy import BatchPlan
-from airay.worker import TrainWorker, UserCodeError
+from airay.worker import TrainWorker
+from airay.worker.failures import RankError, UserCodeError
 
 
 @dataclass
@@ -453,12 +454,12 @@ class WorkerGroup:
                     values[rank] = ray.get(ref)
                     outcomes[rank] = RankOutcome(rank, "ok")
                 except ray.exceptions.RayActorError as exc:
-                    outcomes[rank] = RankOutcome(rank, "died", error=str(exc).splitlines()[0],
-                                                 cause=type(exc).__name__)
+                    outcomes[rank] = actor_died(rank, type(exc).__name__, str(exc))
                 except ray.exceptions.RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
-                    # str(MemoryError()) is empty: name the exception too, except our own wrapper.
-                    error = str(cause) if isinstance(cause, UserCodeError) \
+                    # str(MemoryError()) is empty: name the exception too, except the worker's
+                    # named ones (airay.worker.failures), which say their rank, name and traceback.
+                    error = str(cause) if isinstance(cause, RankError) \
                         else f"{type(cause or exc).__name__}: {cause or exc}"
                     outcomes[rank] = RankOutcome(rank, "errored", error=error,
                                                  user_error=isinstance(cause, UserCodeError),

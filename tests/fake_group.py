@@ -3,8 +3,10 @@
 It has WorkerGroup's interface (what airay.controller and airay.checkpoint.manager call) and
 scripts each call's rank outcomes: `script[call][n] = {rank: kind}` makes the n-th call (1-based)
 of `call` ("form", "train", "save", "load", "persist", "upload") fail on those ranks, kind
-"died", "hung", "oom" (MemoryError) or "user" (an exception in user code); an upload kind "storage" fails the
-upload as a storage error would. Workers are started at once (ready on the next poll, or after
+"died", "hung", "oom" (MemoryError), "user" (an exception in user code), "internal" (one in airay's own
+code), "gpu" (a CUDA error), "nccl" (NCCL's own failure) or "comm" (a collective aborted behind a
+peer's failure); an upload kind "storage" fails the upload as a storage error would. Workers are
+started at once (ready on the next poll, or after
 `ready_after` polls each), steps are instant with a deterministic loss, and durable uploads
 write files of the declared sizes, so the durable tier's listing sees them as complete.
 """
@@ -23,6 +25,15 @@ from airay.policy import BatchPlan
 from airay.worker_group import world_members
 
 FILE_BYTES = 64
+
+# Scripted exceptions a rank's call raises: (class name, message after the rank).
+ERRORS = {
+    "internal": ("InternalError", "IndexError: list index out of range\nTraceback (most recent call last):\n"
+                                  '  File "airay/data/source.py", line 25, in collate\nIndexError: list index out of range'),
+    "gpu": ("GPUError", "AcceleratorError: CUDA error: device-side assert triggered"),
+    "nccl": ("NCCLError", "DistBackendError: NCCL error in: NCCLUtils.hpp:317, unhandled system error"),
+    "comm": ("DistBackendError", "DistBackendError: NCCL communicator was aborted on rank 0."),
+}
 
 
 def step_loss(step: int) -> float:
@@ -182,6 +193,9 @@ class FakeGroup:
             elif kind == "user":
                 out.append(RankOutcome(rank, "errored", error=f"rank {rank}: ValueError: scripted", user_error=True,
                                        cause="UserCodeError"))
+            elif kind in ERRORS:  # what the worker raises, named (airay.worker.failures)
+                cause, text = ERRORS[kind]
+                out.append(RankOutcome(rank, "errored", error=f"rank {rank}: {text}", cause=cause))
             else:
                 if kind == "hung":
                     self.hangs.append({"rank": rank, "stalled_s": 1.0, "heartbeat": True, "progress": {},

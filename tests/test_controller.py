@@ -113,7 +113,7 @@ def test_worlds_that_load_a_checkpoint_build_without_weights_unless_none_loads(t
     # factory's weights; at the grow back to 4 as well. A second run finds its checkpoint
     # unloadable (every copy bad): the world forms again, with weights, and starts at step 0.
     ctl, factory = controller(tmp_path, {"train": {3: {1: "died"}}}, checkpoint={"every_n_steps": 10},
-                              ready_after=[0, 0, 0, 0, 1])
+                        ready_after=[0, 0, 0, 0, 1])
     result = ctl.run()
     assert result.status == "finished" and ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
     formed = factory.made[0].formed
@@ -296,3 +296,63 @@ def test_a_durable_save_waits_for_the_upload_that_holds_its_room_instead_of_bein
     assert ("waited_for_upload" in {a for _, a in actions}) and all(a != "skipped" for _, a in actions), actions
     assert sorted(e["step"] for e in events(ctl, "checkpoint_saved") if e["tier"] == "durable") == [5, 10, 15, 20]
     assert factory.made[0].no_peer[10] == {"node0", "node1"}  # after the wait: own files only fit
+
+
+def test_airays_own_error_is_retried_once_then_fails_the_run_with_its_rank_and_traceback(tmp_path):
+    # Round 2 ([5, 10)): rank 1 raises in airay's code; the same world re-forms (nobody is
+    # replaced) and reloads step 5. Its next round fails the same way: the run ends, naming it.
+    ctl, factory = controller(tmp_path, {"train": {2: {0: "comm", 1: "internal"}, 3: {1: "internal"}}})
+    result = ctl.run()
+    assert result.status == "failed" and result.restarts == 1 and result.world_sizes == [4, 4]
+    assert "airay's own code failed on rank 1" in result.error and "IndexError: list index out of range" in result.error
+    assert "Traceback" in result.error and "airay/data/source.py" in result.error and "please report it" in result.error
+    assert result.traceback is None  # a decision of the run, not a driver bug
+    (failed,) = events(ctl, "worker_failed")
+    assert (failed["outcome"], failed["rank"], failed["step"], failed["phase"]) == ("internal_error", 1, 5, "round")
+    assert failed["node_id"] == "node0" and "Traceback" in failed["error"]  # ranks grouped by node
+    assert [e["step"] for e in events(ctl, "checkpoint_loaded")] == [5]
+    group = factory.made[0]
+    assert len(group.pending) + len(group.standby) == 0 and group.counts["form"] == 2  # no worker replaced
+    # Once in a run: it is a retry, not a loop.
+    once, _ = controller(tmp_path / "once", {"train": {2: {1: "internal"}}})
+    result = once.run()
+    assert result.status == "finished" and result.restarts == 1
+    assert once.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+
+
+def test_a_communication_error_still_reforms_the_same_world_each_time(tmp_path):
+    ctl, factory = controller(tmp_path, {"train": {2: {0: "comm", 1: "comm"}, 3: {2: "comm"}, 4: {3: "comm"}}})
+    result = ctl.run()
+    assert result.status == "finished" and result.restarts == 3 and result.world_sizes == [4, 4, 4, 4]
+    assert [e["outcome"] for e in events(ctl, "worker_failed")] == ["comm_error"] * 3
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+
+
+def test_a_gpu_error_replaces_its_rank_and_its_process(tmp_path):
+    # Rank 1's device fails in round 2, the others' collectives are aborted behind it: rank 1 is
+    # dropped (its actor killed, a replacement started in its bundle), the others train on.
+    ctl, _ = controller(tmp_path, {"train": {2: {0: "comm", 1: "gpu", 2: "comm", 3: "comm"}}},
+                        ready_after=[0, 0, 0, 0, 1])
+    result = ctl.run()
+    assert result.status == "finished" and result.world_sizes == [4, 3, 4]
+    (failed,) = events(ctl, "worker_failed")
+    assert (failed["outcome"], failed["rank"], failed["step"]) == ("gpu_error", 1, 5)
+    assert "device-side assert" in failed["error"]
+    formed = events(ctl, "world_formed")
+    broken = formed[0]["workers"][1]["pid"]
+    assert broken not in [w["pid"] for w in formed[1]["workers"] + formed[-1]["workers"]]
+    assert 1004 in [w["pid"] for w in formed[-1]["workers"]]  # its replacement (the fifth worker started)
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+
+
+def test_an_nccl_error_replaces_only_the_rank_it_stands_out_on(tmp_path):
+    ctl, _ = controller(tmp_path, {"train": {2: {0: "comm", 2: "nccl"}}}, ready_after=[0, 0, 0, 0, 1])
+    result = ctl.run()
+    assert result.status == "finished" and result.world_sizes[:2] == [4, 3]
+    (failed,) = events(ctl, "worker_failed")
+    assert (failed["outcome"], failed["rank"]) == ("nccl_error", 2)
+    # Every rank reporting one: the network's; the world re-forms whole.
+    every, _ = controller(tmp_path / "every", {"train": {2: {r: "nccl" for r in range(4)}}})
+    result = every.run()
+    assert result.status == "finished" and result.world_sizes == [4, 4]
+    assert [e["outcome"] for e in events(every, "worker_failed")] == ["comm_error"]

@@ -229,6 +229,34 @@ def test_failure_budget_fails_cleanly_with_a_summary(cluster, tmp_path, results)
     record(results, "failure_budget", result, events(result, "run_failed")[0]["ts"] - t_fault, "failed fast")
 
 
+def test_a_device_error_replaces_its_process_and_airays_own_error_fails_after_one_retry(cluster, tmp_path):
+    """Not (yet) a row of docs/FAULTS.md, which a full measured run regenerates. Rank 1's device
+    fails at step 3 (a device-side assert: on this CPU, torch.AcceleratorError with CUDA's message,
+    raised where the loss runs): infrastructure, its process is killed and replaced. At step 6
+    airay's own code raises on rank 0: the same world re-forms and reloads step 5; at step 8 it
+    raises again: the run fails with the rank and the traceback, before the failure budget."""
+    import ray
+
+    result = run(cluster, tmp_path, "rank-errors", [{"fault": "device_error", "at_step": 3, "rank": 1},
+                                                     {"fault": "raise_in_airay", "at_step": 6, "rank": 0},
+                                                     {"fault": "raise_in_airay", "at_step": 8, "rank": 0}])
+    assert result.status == "failed" and result.restarts == 2 and result.traceback is None, result.error
+    assert "airay's own code failed on rank 0" in result.error
+    assert "IndexError: chaos raise_in_airay at step 8 on rank 0" in result.error
+    assert "Traceback" in result.error and "airay/chaos.py" in result.error and "please report it" in result.error
+    gpu, internal = events(result, "worker_failed")
+    assert (gpu["rank"], gpu["outcome"], gpu["step"]) == (1, "gpu_error", 3)
+    assert "GPUError" not in gpu["error"] and "AcceleratorError: CUDA error: device-side assert" in gpu["error"]
+    assert (internal["rank"], internal["outcome"], internal["step"]) == (0, "internal_error", 6)
+    assert [e["step"] for e in events(result, "checkpoint_loaded")][-1] == 5
+    # Rank 1's process was killed at its recovery, not at the run's end, and never trained again.
+    formed = events(result, "world_formed")
+    broken = formed[0]["workers"][1]["pid"]
+    assert all(broken not in [w["pid"] for w in f["workers"]] for f in formed[1:])
+    (actor,) = [a for a in ray.state.actors().values() if a["Pid"] == broken and a["ActorClassName"] == "TrainWorker"]
+    assert actor["State"] == "DEAD" and actor["EndTime"] / 1000 < internal["ts"]
+
+
 TIMEOUTS = {"capacity_wait_s": 30, "hang_timeout_s": HANG_TIMEOUT_S, "collective_timeout_s": 30,
             "survivor_drain_s": 10, "phase_timeout_s": 12}
 

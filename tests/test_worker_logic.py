@@ -6,7 +6,7 @@ import torch.distributed as tdist
 
 from airay.policy import BatchPlan
 from airay.worker.device import DeviceError, assign_device, cuda_ordinal
-from airay.worker.dist import failure_kind
+from airay.worker.failures import failure_kind
 from airay.worker.engine import engine_config, zero3_memory_defaults
 
 
@@ -32,7 +32,8 @@ def test_user_errors_are_not_mistaken_for_collective_failures():
     assert not _is_comm_error(RuntimeError("connection reset while reading my dataset from gloo.example.com"))
     assert _is_comm_error(RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
                                        "waiting 30000ms for recv operation to complete"))
-    assert _is_comm_error(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"))
+    # NCCL's own failure: named as such, not the user's (airay.health decides whose it is).
+    assert failure_kind(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error")) == "nccl"
 
 
 def test_gpu_failures_are_infrastructure_not_user_errors():
@@ -42,7 +43,8 @@ def test_gpu_failures_are_infrastructure_not_user_errors():
     assert failure_kind(MemoryError()) == "infra"
     assert failure_kind(tdist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited")) \
         == "comm"
-    assert failure_kind(RuntimeError("CUDA error: device-side assert triggered")) == "user"
+    # A CUDA error is the device's, wherever it surfaces (tests/test_failures.py has every class).
+    assert failure_kind(RuntimeError("CUDA error: device-side assert triggered")) == "gpu"
     # The driver's verdict on a rank whose step raised CUDA OOM: replace the worker, as a crash.
     from airay.health import RankOutcome, classify_round
 
@@ -115,6 +117,65 @@ def test_memory_errors_in_user_code_stay_memory_errors():
         w._user(oom)
     with pytest.raises(UserCodeError, match="rank 3: TypeError: bad arg"):
         w._user(bug)
+
+
+def _worker_in_a_world(loss_fn, data=None):
+    """A TrainWorker as a world leaves it after join (no Ray, no process group), its engine a stand-in."""
+    from airay.data.source import SyntheticSource
+    from airay.models import tiny_gpt
+    from airay.policy import plan_batch
+    from airay.worker import TrainWorker
+
+    w = TrainWorker.__new__(TrainWorker)
+    w.rank, w.device, w.engine, w.loss_fn = 1, "cpu", object(), loss_fn
+    w.plan = plan_batch(8, 2, 2)
+    w.data = data or SyntheticSource(tiny_gpt.synthetic_sample, 0, {})
+    w._world_sockets, w._preempted_at, w._progress = {}, None, {}
+    w.left = 0
+
+    def leave():
+        w.left += 1
+
+    w.leave = leave
+    return w
+
+
+def test_a_cuda_error_raised_in_user_code_is_the_devices_not_the_users():
+    # Through the worker's own path (train -> _step -> _user -> the loss): the driver gets a
+    # GPUError (infrastructure: the rank is replaced), never a UserCodeError (the run would fail).
+    from airay.worker import UserCodeError
+    from airay.worker.failures import GPUError, InternalError
+
+    def assert_in_loss(engine, batch):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+                                     "asynchronously reported at some other API call")
+
+    w = _worker_in_a_world(assert_in_loss)
+    with pytest.raises(GPUError, match="rank 1: AcceleratorError: CUDA error: device-side assert triggered") as err:
+        w.train(0, 1)
+    assert "assert_in_loss" in str(err.value)  # the traceback, down to the raising frame
+    assert w.left == 0  # its CUDA context is not touched again: the driver replaces the process
+    # As a RuntimeError (torch before 2.8), raised in the backward or the optimizer step: the same.
+    w = _worker_in_a_world(lambda engine, batch: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: an illegal memory access was encountered")))
+    with pytest.raises(GPUError):
+        w.train(0, 1)
+    # A bug in the user's loss is still the user's; the worker leaves its world as before.
+    w = _worker_in_a_world(lambda engine, batch: {}["labels"])
+    with pytest.raises(UserCodeError, match="rank 1: KeyError: 'labels'"):
+        w.train(0, 1)
+    assert w.left == 1
+
+    class BrokenLoader:  # airay's own data source failing: airay's error, not the user's
+        def micro_batches(self, step, rank, plan):
+            from airay.data.source import collate
+
+            return [collate([])]
+
+    w = _worker_in_a_world(lambda engine, batch: None, data=BrokenLoader())
+    with pytest.raises(InternalError, match="rank 1: IndexError: list index out of range"):
+        w.train(0, 1)
+    assert w.left == 1
 
 
 def test_zero3_memory_limits_follow_the_largest_parameter_and_never_override_the_spec():

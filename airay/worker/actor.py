@@ -7,9 +7,9 @@ never re-imports torch or DeepSpeed: that is what makes warm recovery fast.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -22,16 +22,29 @@ from airay.events import process_start_ts
 from airay.policy import BatchPlan
 from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_globals
 from airay.worker.device import assign_device
-from airay.worker.dist import NCCL_ENV, abort_nccl_groups, failure_kind, listen_socket, rendezvous_store, \
-    reset_group_count, shutdown_sockets, tcp_socket_fds
+from airay.worker.dist import NCCL_ENV, abort_nccl_groups, listen_socket, rendezvous_store, reset_group_count, \
+    shutdown_sockets, tcp_socket_fds
+from airay.worker.failures import UserCodeError, describe, failure_kind, named
 from airay.worker.build import build_model, hf_zero3, partitioned
 from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
 
-class UserCodeError(RuntimeError):
-    """An exception raised by the user's model, loss or data code: retrying will not fix it."""
+def _names_failures(method):
+    """A method the driver classifies the outcome of (airay.health.classify_round): an exception
+    it raises that a device, NCCL or airay's own code caused is raised under that name
+    (airay.worker.failures.named), with the rank and the original traceback in its message."""
 
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            renamed = named(exc, self.rank)
+            if renamed is None:
+                raise
+            raise renamed from exc
 
+    return wrapper
 
 
 class TrainWorker:
@@ -158,6 +171,7 @@ class TrainWorker:
 
     # ---- world membership ----------------------------------------------------------------
 
+    @_names_failures
     def join(self, rank: int, world_size: int, master_addr: str, master_port: int,
              plan: dict[str, int], fault: dict | None = None, init_weights: bool = True,
              stand_in: bool = False) -> dict[str, float]:
@@ -169,7 +183,8 @@ class TrainWorker:
         self.leave()
         self._enter("join", -1, fault, rank)
         if self._aborted_port == master_port:  # told already: a peer failed before this rank got here
-            raise RuntimeError(f"rank {rank}: the world on port {master_port} was aborted before this rank joined it")
+            raise ConnectionAbortedError(f"rank {rank}: the world on port {master_port} was aborted before this rank "
+                                         "joined it")
         self._joining_port = master_port
         try:
             return self._join(rank, world_size, master_addr, master_port, plan, t0, init_weights, stand_in)
@@ -293,6 +308,7 @@ class TrainWorker:
 
     # ---- checkpoints -----------------------------------------------------------------------
 
+    @_names_failures
     def save(self, step: int, data_position: dict[str, Any] | None, memory_base: str,
              fault: dict | None = None) -> dict[str, Any]:
         """Stage this rank's part of `step` into its node's memory tier (DeepSpeed's file names
@@ -383,6 +399,7 @@ class TrainWorker:
                 for name in persisted["files"]}
         return {"files": sent, "upload_s": time.perf_counter() - t0, "window": [start, time.time()]}
 
+    @_names_failures
     def prepare_load(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Find and verify, nearest copy first, every file this rank needs to load a checkpoint
         (no collective: a rank that finds no good copy fails alone, and every rank gives the
@@ -428,6 +445,7 @@ class TrainWorker:
         return {"copies": copies, "bad": bad, "files": sorted(paths), "fetch_s": time.perf_counter() - t0,
                 "bytes": read, "bytes_needed": needed, "partial_files": len(partial)}
 
+    @_names_failures
     def load(self, step: int, fault: dict | None = None) -> dict[str, Any]:
         """Load the checkpoint prepare_load found (DeepSpeed's own loader, its reads resharded to
         this world by the plan); returns the step, the data position and timings."""
@@ -461,6 +479,7 @@ class TrainWorker:
 
     # ---- training ------------------------------------------------------------------------------
 
+    @_names_failures
     def train(self, start: int, end: int, faults: dict[int, dict] | None = None,
               feed: dict[int, list] | None = None) -> list[dict[str, float]]:
         """Run global steps [start, end). Each result: loss_sum over this rank's samples, timings.
@@ -469,19 +488,22 @@ class TrainWorker:
         `feed`: a streamed dataset's pieces of these steps (and of a few after them, to prefetch).
         """
         if self.engine is None:  # it left its world: the round this one was queued behind failed
-            raise RuntimeError(f"rank {self.rank} is in no world for steps {start}-{end - 1}: the round before "
-                               "them failed")
+            raise ConnectionAbortedError(f"rank {self.rank} is in no world for steps {start}-{end - 1}: the round "
+                                         "before them failed")
         out = []
         if feed:
             self.data.feed(feed, self.rank, self.plan)
         try:
             for step in range(start, end):
                 out.append(self._step(step, (faults or {}).get(step)))
-        except BaseException:
+        except BaseException as exc:
             # A peer died mid-collective, or our own code failed: shutting our world's sockets
             # down makes ranks still blocked on us fail fast instead of waiting for a timeout.
             shutdown_sockets(self._world_sockets)
-            self.leave()
+            # After a CUDA error every call on this process's context fails (or hangs, freeing
+            # an engine's memory or a communicator): the driver replaces the process instead.
+            if failure_kind(exc) != "gpu":
+                self.leave()
             raise
         if self._preempted_at is not None and out:
             out[-1]["preempted"] = True
@@ -542,11 +564,12 @@ class TrainWorker:
             return fn(*args, **kwargs)
         except Exception as exc:
             # Running out of host or GPU memory is the machine's limit, not a bug in the code that
-            # hit it; a failed collective is a peer's; a block that cannot be fetched is the data
-            # path's failure (airay.worker.dist.failure_kind).
+            # hit it; a CUDA error is the device's; a failed collective is a peer's; a block that
+            # cannot be fetched is the data path's failure; an exception airay's code raised (the
+            # user's calls into it, its data sources) is airay's (airay.worker.failures).
             if failure_kind(exc) != "user":
                 raise
-            raise UserCodeError(f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}") from exc
+            raise UserCodeError(describe(exc, self.rank)) from exc
 
 
 def _stand_in(seed: int = 0):

@@ -1,11 +1,10 @@
-"""A worker's process groups: rendezvous port, leaving a broken world fast, and telling a
-collective's failure (or the machine's) from a bug in user code.
+"""A worker's process groups: rendezvous port, leaving a broken world fast, NCCL's error
+handling. What an exception says failed is airay.worker.failures' to decide.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import socket
 import stat
 
@@ -125,33 +124,3 @@ def abort_nccl_groups() -> None:
 
     if c10d.is_initialized():
         c10d._abort_process_group()
-
-
-# gloo's and NCCL's own messages, by where they come from: gloo prefixes its errors with its
-# source path ("[.../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error ..."), NCCL's
-# name the library. Not bare words like "timed out": a user's RuntimeError says those too.
-_COMM_ERROR_TEXT = re.compile(r"\[[^\]]*gloo/(transport|common)/[^\]]*\]|\bProcessGroup(Gloo|NCCL)\b|\bNCCL error\b")
-
-
-def failure_kind(exc: BaseException) -> str:
-    """What an exception raised in a training step says failed, by its type where it has one:
-    "infra" (the machine: host or GPU memory; replace the worker), "comm" (a collective: a
-    peer died or the network broke; re-form the world), "data" (a block could not be fetched:
-    re-run the round) or "user" (the user's model, loss or data code: retrying will not help).
-    gloo's transport errors are plain RuntimeErrors naming gloo's source, so those are told by
-    their text (only RuntimeErrors: a TypeError from a model factory is the user's, whatever
-    its message says)."""
-    import torch
-    import torch.distributed as tdist
-
-    from airay.data.source import DataFetchError
-
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return "infra"
-    if isinstance(exc, DataFetchError):
-        return "data"
-    if isinstance(exc, tdist.DistError):
-        return "comm"
-    if type(exc) is RuntimeError and _COMM_ERROR_TEXT.search(str(exc)):
-        return "comm"
-    return "user"

@@ -17,7 +17,7 @@ from typing import Any
 from airay import goodput, policy
 from airay.chaos_hook import ChaosHook
 from airay.checkpoint.layout import CheckpointInfo, job_identity
-from airay.checkpoint.loading import CheckpointUnavailable
+from airay.checkpoint.loading import CheckpointIncompatible, CheckpointUnavailable
 from airay.checkpoint.manager import Checkpointer
 from airay.checkpoint.tiers import memory_base
 from airay.config import JobConfig
@@ -636,6 +636,9 @@ class Controller:
             if failed and all(o.kind == "errored" and o.cause == CheckpointUnavailable.__name__ for o in failed):
                 self.ckpt.reject(ckpt, failed[0].error, self.group)
                 continue
+            refused = [o for o in failed if o.cause == CheckpointIncompatible.__name__]
+            if refused and not any(o.infra for o in failed):
+                raise RunFailed(f"the checkpoint {ckpt.path} cannot be loaded at world size {size}: {refused[0].error}")
             if not self._ok(outcomes, t0 if faults else None, "load"):
                 return False
             self.step = values[0]["step"]

@@ -187,6 +187,9 @@ class FakeGroup:
             elif kind == "unavailable":  # no good copy of some file of the checkpoint (loading.py)
                 out.append(RankOutcome(rank, "errored", error=f"rank {rank}: scripted: no good copy",
                                        cause="CheckpointUnavailable"))
+            elif kind == "incompatible":  # the checkpoint's layout cannot be resharded (loading.py)
+                out.append(RankOutcome(rank, "errored", error="CheckpointIncompatible: scripted: "
+                                       "zero_optimization.round_robin_gradients", cause="CheckpointIncompatible"))
             elif kind == "oom":  # the process ran out of memory (or Ray's memory monitor killed it)
                 out.append(RankOutcome(rank, "errored", error=f"rank {rank}: MemoryError: scripted",
                                        cause="MemoryError"))

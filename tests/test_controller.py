@@ -356,3 +356,14 @@ def test_an_nccl_error_replaces_only_the_rank_it_stands_out_on(tmp_path):
     result = every.run()
     assert result.status == "finished" and result.world_sizes == [4, 4]
     assert [e["outcome"] for e in events(every, "worker_failed")] == ["comm_error"]
+
+
+def test_a_checkpoint_that_cannot_be_resharded_ends_the_run_at_the_load_naming_why(tmp_path):
+    # Rank 1 dies in round 3; the re-formed world's load meets a layout airay refuses to reshard
+    # (every rank says so): no retry can load it, the run ends at once instead of re-forming.
+    ctl, _ = controller(tmp_path, {"train": {3: {1: "died"}}, "load": {1: {0: "incompatible", 1: "incompatible",
+                                                                            2: "incompatible"}}})
+    result = ctl.run()
+    assert result.status == "failed" and result.restarts == 1
+    assert "cannot be loaded at world size" in result.error and "round_robin_gradients" in result.error
+    assert result.traceback is None and events(ctl, "checkpoint_loaded") == []

@@ -329,10 +329,10 @@ def test_layouts_airay_cannot_reshard_raise_at_load_naming_the_key():
     handing DeepSpeed misplaced partitions."""
     from airay.checkpoint import reshard
     from airay.checkpoint.layout import Manifest
-    from airay.checkpoint.loading import LoadPlan
+    from airay.checkpoint.loading import CheckpointIncompatible, LoadPlan
 
     round_robin = Manifest(0, 4, 2, {}, {}, {"partitions": [5], "totals": [18], "round_robin_gradients": True})
-    with pytest.raises(ValueError, match="zero_optimization.round_robin_gradients"):
+    with pytest.raises(CheckpointIncompatible, match="zero_optimization.round_robin_gradients"):
         LoadPlan(round_robin, 0, 3, {}, {"partitions": [6], "totals": [18]}).load(reshard.optim_file(0))
     assert reshard.unreshardable({"partitions": [5]}, {"partitions": [6]}) is None
     elastic = {r: {"optimizer_state_dict": {"base_optimizer_state": [{"exp_avg": torch.zeros(9)}],

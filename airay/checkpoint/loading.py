@@ -26,6 +26,11 @@ from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, lo
 CHUNK = 64 << 20  # bytes per piece when a file crosses nodes (through the object store) or storage
 
 
+class CheckpointIncompatible(ValueError):
+    """The checkpoint's layout cannot be resharded to this world (a DeepSpeed key airay refuses,
+    airay.checkpoint.reshard.unreshardable): no retry can load it, so the run ends, saying why."""
+
+
 class CheckpointUnavailable(RuntimeError):
     """No good copy of a file of the checkpoint: the driver falls back to an older step."""
 
@@ -172,7 +177,7 @@ class LoadPlan:
             return self._open(name)
         refused = reshard.unreshardable(m.layout, self.layout) if m.zero_stage in (1, 2) else None
         if refused:
-            raise ValueError(refused)
+            raise CheckpointIncompatible(f"step {m.step} saved at world size {m.world_size}: {refused}")
         t0 = time.perf_counter()
         out = self._reshard({r: self._open(reshard.optim_file(r, bf16)) for r in self._ranks()})
         self.reshard_s += time.perf_counter() - t0

@@ -19,7 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from airay import placement, policy
-from airay.checkpoint.actors import STORE_THREADS, NodeStore
+from airay.checkpoint.actors import start_store
 from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
 from airay.health import RankOutcome, actor_died, find_hung, position
 from airay.policy import BatchPlan
@@ -133,10 +133,7 @@ class WorkerGroup:
                 self.foreign_tiers.append({"node_id": node, "path": info["root"], "found": info["foreign"]})
 
     def _new_store(self, node: str):
-        return ray.remote(NodeStore).options(
-            num_cpus=0, max_restarts=0, max_concurrency=STORE_THREADS,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-        ).remote(self.memory_base, self.job)
+        return start_store(node, self.memory_base, self.job)
 
     def _start_stores(self, pgs: list[PlacementGroup]) -> None:
         """Start the NodeStores of the nodes `pgs` landed on, not waited for: each comes up while

@@ -159,6 +159,16 @@ class NodeStore:
         return names
 
 
+def start_store(node_id: str, base: str, job: dict):
+    """A node's NodeStore actor, pinned to it, on STORE_THREADS threads (not waited for)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(NodeStore).options(
+        num_cpus=0, max_restarts=0, max_concurrency=STORE_THREADS,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(base, job)
+
+
 def push_copy(store, step: int, path: str | os.PathLike, size: int, crc32: int, chunk: int = 64 << 20) -> bool:
     """Send a local file to another node's store, in chunks through the object store (two in
     flight: never more than two chunks of the file in memory); True if it arrived whole."""

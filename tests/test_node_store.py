@@ -22,7 +22,7 @@ def test_a_store_serves_reads_while_a_copy_waits_and_lands_its_chunks_in_order(t
     ready, _ = ray.wait([late], timeout=1.0)
     assert ready == []
     # Meanwhile the store answers other calls: its catalog and its memory figures.
-    assert ray.get(store.catalog.remote(), timeout=10) == {3: {"manifest": None, "files": {}}}
+    assert ray.get(store.catalog.remote(), timeout=10) == {}  # nothing of the copy written yet
     figures = ray.get(store.memory.remote(), timeout=10)
     assert figures["node_id"] == node and figures["mem_total"] > 0 and figures["tier_bytes"] == 0
     assert ray.get(store.receive.remote(3, "rank0.pt", 0, first), timeout=10) == len(first)

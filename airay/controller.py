@@ -24,7 +24,7 @@ from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.data.pipeline import DataLog, Feeder, Stream
 from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
-    merge_pipelined, summarize_failures
+    merge_pipelined, node_mates, summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.telemetry import Telemetry, eta_s, progress_line
 from airay.worker_group import WorkerGroup
@@ -374,14 +374,19 @@ class Controller:
         lost = [r for r in verdict.lost_ranks if verdict.outcomes[r].kind != "hung"]
         suspects = {group.member(r).node_id for r in lost if "unavailable" in verdict.outcomes[r].error.lower()}
         dead_nodes = group.dead_nodes({group.member(r).node_id for r in lost}, suspects, NODE_VERDICT_WAIT_S)
+        nodes = [m.node_id for m in group.active]
+        drop = list(verdict.lost_ranks)
         for rank in verdict.lost_ranks:
             m = group.member(rank)
             outcome = verdict.outcomes[rank]
             if outcome.kind == "hung":
+                # Its node's other ranks go with it (airay.health.node_mates): one failure, the hung rank's.
+                mates = [r for r in node_mates(rank, nodes) if r not in drop]
+                drop += mates
                 self.rec.event("hang_detected", step=self.step, rank=rank, node_id=m.node_id, phase=self.failed_phase,
                                detection_s=self.detection_s, stalled_s=hangs[rank]["stalled_s"],
                                heartbeat=hangs[rank]["heartbeat"], progress=hangs[rank]["progress"],
-                               error=outcome.error)
+                               evicted_ranks=mates, error=outcome.error)
                 kind = "hung"
             else:
                 lost_node = m.node_id in dead_nodes
@@ -396,7 +401,6 @@ class Controller:
             self.rec.event("worker_failed", step=self.step, rank=None, outcome=verdict.kind, error=verdict.message)
             self.failures.append(Failure(self.t_detect, verdict.kind, None, None, self.step))
         self._check_budget()
-        drop = list(verdict.lost_ranks)
         for node in policy.nodes_to_exclude(self.node_failures, self.cfg.health.exclude_node_after_failures,
                                             group.excluded):
             on_node = group.exclude(node)

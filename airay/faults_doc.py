@@ -38,12 +38,12 @@ MATRIX: dict[str, Row] = {
         "`hang_worker` `hang_mode: sleep` (a blocking call inside the step)",
         "heartbeat (control thread) answers but the rank's progress (step, micro-batch, phase) stands "
         "still for `timeouts.hang_timeout_s` while it is the furthest behind (`hang_detected`, heartbeat true)",
-        "ray.kill the hung actor, then recover like a crash",
+        "ray.kill the hung actor and its node's other ranks (`evicted_ranks`), then recover like a crash",
         "recovered"),
     "hang_sigstop": Row(
         "`hang_worker` `hang_mode: sigstop` (the whole process stops)",
         "heartbeat stops answering and progress stands still for `hang_timeout_s` (`hang_detected`, heartbeat false)",
-        "ray.kill the stopped actor, then recover like a crash",
+        "ray.kill the stopped actor and its node's other ranks, then recover like a crash",
         "recovered"),
     "raise_in_user_code": Row(
         "`raise_in_user_code` (the loss function raises)",
@@ -99,7 +99,7 @@ MATRIX: dict[str, Row] = {
         "`hang_worker` `during: save` (a rank blocks inside a save)",
         "its progress inside the save stands still for `timeouts.phase_timeout_s` while it is the furthest "
         "behind (`hang_detected`, phase save)",
-        "ray.kill it, recover like a crash from the checkpoint before",
+        "ray.kill it and its node's other ranks, recover like a crash from the checkpoint before",
         "recovered"),
     "kill_driver": Row(
         "`kill_driver` (the driver process is SIGKILLed at a round start)",

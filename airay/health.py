@@ -134,6 +134,21 @@ def find_hung(positions: dict[int, tuple[int, int, int]], last_change: dict[int,
     return hung
 
 
+def node_mates(rank: int, nodes: list[str | None]) -> list[int]:
+    """The other ranks on `rank`'s node (`nodes[r]`: rank r's node), replaced with a hung rank.
+
+    A hang is the node's incident, not the rank's: the ranks of a GPU node share its NVLink or
+    NVSwitch fabric, PCIe switches, NICs and GPU driver, and a fault in any of them stalls or
+    poisons them all (an Xid that wedges the driver, a link that drops). They cannot be told
+    apart from healthy ranks while they wait in the collective the hung rank never entered, and
+    a world re-formed with them would stall again a hang timeout later, one rank at a time.
+    Replacing them costs their processes' restart, in the same bundles, which the shrunk world
+    trains through; and like a node excluded for failures, they count as one failure, the hung
+    rank's."""
+    node = nodes[rank]
+    return [r for r, n in enumerate(nodes) if node is not None and n == node and r != rank]
+
+
 # ---- stragglers -----------------------------------------------------------------------------
 
 

@@ -143,14 +143,17 @@ def test_kill_node(cluster, tmp_path, baseline, results):
 
 def test_hangs_are_detected_killed_and_recovered(cluster, tmp_path, baseline, results):
     """A blocking call inside the step (heartbeat answers, progress stands still), then a stopped
-    process (heartbeat silent)."""
+    process (heartbeat silent). Each hung rank's node goes with it: the first hang leaves the
+    other node's two ranks (ranks 0 and 1 from then on, whether or not the replacements have
+    rejoined by step 13), and the second stops one of them."""
     result = run(cluster, tmp_path, "hang", [{"fault": "hang_worker", "at_step": 6, "rank": 1, "hang_mode": "sleep"},
-                                              {"fault": "hang_worker", "at_step": 13, "rank": 2,
+                                              {"fault": "hang_worker", "at_step": 13, "rank": 1,
                                                "hang_mode": "sigstop"}])
-    assert_recovered(result, baseline, (4, 3))
+    assert_recovered(result, baseline, (4, 2))  # ranks 0 and 1 share a node
     sleep, stop = events(result, "hang_detected")
-    assert (sleep["rank"], sleep["step"], sleep["heartbeat"]) == (1, 6, True)
-    assert (stop["rank"], stop["step"], stop["heartbeat"]) == (2, 13, False)  # a stopped process cannot answer
+    assert (sleep["rank"], sleep["step"], sleep["heartbeat"], sleep["evicted_ranks"]) == (1, 6, True, [0])
+    assert (stop["rank"], stop["step"], stop["heartbeat"]) == (1, 13, False)  # a stopped process cannot answer
+    assert sleep["node_id"] != stop["node_id"] and stop["evicted_ranks"] == [0]
     for hang in (sleep, stop):
         assert hang["stalled_s"] >= HANG_TIMEOUT_S and hang["detection_s"] >= HANG_TIMEOUT_S
     assert events(result, "worker_failed") == []  # the peers' aborted collectives are not failures

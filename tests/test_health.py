@@ -1,5 +1,5 @@
-from airay.health import Failure, RankOutcome, classify_round, find_hung, find_stragglers, merge_pipelined, position, \
-    summarize_failures
+from airay.health import Failure, RankOutcome, classify_round, find_hung, find_stragglers, merge_pipelined, node_mates, \
+    position, summarize_failures
 
 
 def test_all_ok():
@@ -66,6 +66,13 @@ def test_find_hung_prefers_a_rank_whose_heartbeat_stopped():
 def test_find_hung_all_ranks_stuck_at_the_same_place():
     positions = {0: (5, 0, 2), 1: (5, 0, 2)}
     assert find_hung(positions, {0: 0.0, 1: 0.0}, {0, 1}, now=5.0, hang_timeout_s=3) == [0, 1]
+
+
+def test_a_hung_ranks_node_goes_with_it():
+    nodes = ["a", "a", "b", "b", None]
+    assert node_mates(0, nodes) == [1] and node_mates(3, nodes) == [2]
+    assert node_mates(4, nodes) == []  # a rank whose node is unknown: itself only
+    assert node_mates(0, ["a"]) == []
 
 
 def test_find_stragglers_uses_local_time_and_both_thresholds():

@@ -276,7 +276,9 @@ class Controller:
             else self._pipelined_end(current)
         if queue_end is not None:
             self.inflight = self._launch_round(current.end, queue_end)
-        outcomes, values = self.group.collect(current.refs, hang_timeout_s=self.cfg.timeouts.hang_timeout_s)
+        timeouts = self.cfg.timeouts
+        outcomes, values = self.group.collect(current.refs, hang_timeout_s=timeouts.hang_timeout_s,
+                                              first_step_timeout_s=timeouts.first_step_s)
         if not self._round_ok(outcomes, current):
             return State.RECOVERING
         self._check_stragglers(current.start, values)
@@ -386,7 +388,7 @@ class Controller:
                 self.rec.event("hang_detected", step=self.step, rank=rank, node_id=m.node_id, phase=self.failed_phase,
                                detection_s=self.detection_s, stalled_s=hangs[rank]["stalled_s"],
                                heartbeat=hangs[rank]["heartbeat"], progress=hangs[rank]["progress"],
-                               evicted_ranks=mates, error=outcome.error)
+                               deadline_s=hangs[rank].get("deadline_s"), evicted_ranks=mates, error=outcome.error)
                 kind = "hung"
             else:
                 lost_node = m.node_id in dead_nodes

@@ -177,9 +177,14 @@ def render(results: dict) -> str:
         "progress for `timeouts.phase_timeout_s` (default 600) in one of them is hung. Every driver wait on "
         "the ranks is bounded by one of the two; commits and uploads by their own deadlines. Detection takes hang_timeout_s plus up to two heartbeat polls "
         "(every min(1 s, hang_timeout_s / 4)): the driver reads a heartbeat one poll after asking for it.",
-        "- A rank is hung when its progress stood still for `hang_timeout_s` and either its heartbeat stopped "
-        "answering or it is the furthest behind (the others wait for it in a collective); if every rank "
-        "stands still at the same point, all are hung.",
+        "- A rank is hung when its progress (step, micro-batch, phase, and the collective calls it entered and left "
+        "in that phase) stood still for `hang_timeout_s` (`timeouts.first_step_timeout_s` in its first step of a new "
+        "world) and either its heartbeat stopped answering (of several, the first to stop) or it is the furthest "
+        "behind: the others wait for it in a collective. When one rank stalls its collective (`stall_collective`; "
+        "one GPU or link under NCCL), every rank stands still at one step, micro-batch and phase, and the collective "
+        "counts name the rank that never entered the call the others wait in. Only if every rank stands at exactly "
+        "the same place, the same collective entered by all, are all hung (a deadlock). A hung rank's node goes "
+        "with it: its other ranks are replaced too (`evicted_ranks` of `hang_detected`), counted as one failure.",
         "- Infrastructure faults (actor or node death, hang, MemoryError / Ray OutOfMemoryError, lost objects) "
         "recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
         "of retries. Every recovery counts against `max_failures` within `health.failure_window_s`; "

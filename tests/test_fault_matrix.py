@@ -161,6 +161,32 @@ def test_hangs_are_detected_killed_and_recovered(cluster, tmp_path, baseline, re
     record(results, "hang_sigstop", result, stop["detection_s"], "recovered", failure_index=1)
 
 
+def test_a_hang_of_every_rank_at_one_collective_replaces_only_the_node_that_stalled_first(cluster, tmp_path, baseline,
+                                                                                         results):
+    """At step 6 rank 1 stops just before its 2nd collective call of the step (stall_collective);
+    its peers enter that collective and wait inside it. Every rank's step, micro-batch and phase
+    then stand still at one point, as under NCCL when one GPU stops; the collective counts in the
+    heartbeats show rank 1 never entered the call the others wait in: it alone is hung, and its
+    node (rank 0 beside it) is replaced. The run trains on with the other node's two ranks."""
+    result = run(cluster, tmp_path, "stall", [{"fault": "stall_collective", "at_step": 6, "rank": 1, "collective": 2}])
+    assert_recovered(result, baseline, (4, 2))
+    (hang,) = events(result, "hang_detected")
+    assert (hang["rank"], hang["step"], hang["heartbeat"], hang["evicted_ranks"]) == (1, 6, True, [0])
+    entered, left = hang["progress"]["collectives"]
+    assert entered == left and hang["progress"]["step"] == 6  # stopped between two calls of step 6
+    assert hang["stalled_s"] >= HANG_TIMEOUT_S and hang["deadline_s"] == HANG_TIMEOUT_S  # not a first step
+    assert events(result, "worker_failed") == []  # the peers' aborted collectives are not failures
+    (failure,) = [r for r in result.resizes if r["reason"] == "failure"]
+    assert (failure["old_world_size"], failure["new_world_size"]) == (4, 2)
+    assert [e["rank"] for e in events(result, "fault_injected")] == [1]
+    # Measured for docs/FAULTS.md: its MATRIX row ("all_ranks_stall") comes with the doc's next generation.
+    failures = [r for r in result.resizes if r["reason"] == "failure"]
+    results["all_ranks_stall"] = {"outcome": "recovered", "world_sizes": result.world_sizes,
+                                  "detect_s": hang["detection_s"], "recover_s": failures[0]["recovery_s"],
+                                  "resumed_step": failures[0]["resumed_step"], "restarts": result.restarts,
+                                  "wall_s": result.wall_s}
+
+
 def test_user_code_error_fails_fast_with_rank_and_traceback(cluster, tmp_path, results):
     result = run(cluster, tmp_path, "raise", [{"fault": "raise_in_user_code", "at_step": 6, "rank": 1}])
     assert result.status == "failed" and result.restarts == 0 and result.world_sizes == [4]

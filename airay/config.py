@@ -292,7 +292,10 @@ class LocalClusterSpec(_Spec):
 
 
 class TimeoutSpec(_Spec):
-    capacity_wait_s: float = Field(60, gt=0, description="how long to wait for min_workers to fit")
+    capacity_wait_s: float = Field(
+        600, gt=0, description="how long to wait for min_workers to fit, at start and after a loss leaves fewer: "
+        "long enough for the autoscaler to launch a node (a GPU cloud node takes minutes to boot and start Ray), "
+        "so a run on a cluster that starts small or loses a node waits for it instead of failing")
     collective_timeout_s: float = Field(120, gt=0, description="no rank blocks longer in a collective")
     survivor_drain_s: float = Field(30, gt=0, description="after a loss, wait this long for survivors to stop")
     grow_check_every_n_steps: int = Field(1, ge=1, description="how often to look for new capacity")

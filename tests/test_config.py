@@ -204,6 +204,12 @@ def test_a_first_step_gets_its_own_deadline_between_the_hang_and_collective_time
             JobConfig.from_dict({**base, "timeouts": {"first_step_timeout_s": bad}})
 
 
+def test_capacity_wait_outlasts_a_cloud_nodes_boot():
+    base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+            "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 20}
+    assert JobConfig.from_dict(base).timeouts.capacity_wait_s == 600  # a GPU node boots in minutes
+
+
 def test_stall_collective_is_a_step_fault_with_its_collective_number():
     base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
             "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 20,

@@ -17,7 +17,7 @@ from typing import Any
 
 # Faults a worker strikes inside its step; the rest act on the cluster or on files.
 STEP_FAULTS = ("kill_worker", "hang_worker", "raise_in_user_code", "oom_worker", "slow_worker", "raise_in_airay",
-               "device_error")
+               "device_error", "stall_collective")
 
 # How far above its current address space a worker told to run out of memory may grow: small,
 # so the fault never takes memory from the rest of a shared machine.
@@ -41,7 +41,8 @@ def round_faults(chaos: list, fired: set[int], start: int, end: int, world: int)
         else:
             steps = range(start, start + 1) if c.at_step == start and i not in fired else range(0)
         for step in steps:
-            out.setdefault(c.rank, {})[step] = {"fault": c.fault, "hang_mode": c.hang_mode, "delay_s": c.delay_s}
+            out.setdefault(c.rank, {})[step] = {"fault": c.fault, "hang_mode": c.hang_mode, "delay_s": c.delay_s,
+                                                "collective": c.collective}
     return out
 
 
@@ -67,8 +68,14 @@ def strike(fault: dict[str, Any], step: int, rank: int) -> None:
         if fault["hang_mode"] == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, the heartbeat too
         else:
-            while True:  # a blocking call that never returns; the heartbeat thread runs on
-                time.sleep(3600)
+            block_forever()
+    elif kind == "stall_collective":
+        # The rank stops just before its k-th collective call of the step (airay.commtime): its
+        # peers enter that collective and wait inside it, as every rank's host thread does when
+        # one GPU or link stops under NCCL. The heartbeat thread runs on.
+        from airay import commtime
+
+        commtime.before_collective(fault["collective"], block_forever)
     elif kind == "raise_in_user_code":
         raise ChaosError(f"chaos raise_in_user_code at step {step} on rank {rank}")
     elif kind == "raise_in_airay":
@@ -96,6 +103,22 @@ def device_side_assert() -> None:
         raise torch.AcceleratorError("CUDA error: device-side assert triggered (chaos device_error, simulated: this "
                                      "process has no CUDA device)")
     torch.zeros(4, device="cuda")[torch.full((1,), 1 << 20, device="cuda")]
+
+
+def step_done(fault: dict[str, Any]) -> None:
+    """The step a fault struck in has run its micro-batches: a stall_collective whose collective
+    never came (the step makes fewer calls) stalls the rank here instead, after its last one."""
+    from airay import commtime
+
+    if fault["fault"] == "stall_collective" and commtime.disarm():
+        block_forever()
+
+
+def block_forever() -> None:
+    """A blocking call that never returns (the heartbeat thread runs on); the driver's hang
+    watch kills the process."""
+    while True:
+        time.sleep(3600)
 
 
 def exhaust_memory(headroom: int = OOM_HEADROOM_BYTES) -> None:

@@ -118,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             if not args.driver:
                 # This process supervises (the driver runs in a child it restarts if it dies):
                 # it reads what it needs and leaves the full checks to the driver, at once.
-                run_dir, max_restarts = supervision(spec_mapping(args.spec, overrides), args.spec)
+                data = spec_mapping(args.spec, overrides)
+                run_dir, max_restarts = supervision(data, args.spec)
                 if max_restarts > 0:
                     driver_argv = ["run", args.spec, *[a for s in args.set for a in ("--set", s)], "--run-dir",
                                    str(run_dir), "--driver", *(["--json"] if args.json else [])]
-                    return supervisor.supervise(driver_argv, str(run_dir), max_restarts, process_start_ts())
+                    return supervisor.supervise(driver_argv, str(run_dir), max_restarts, process_start_ts(),
+                                                supervisor.cluster_address(data))
             config = JobConfig.from_yaml(args.spec, overrides)
         except ConfigError as exc:
             print(f"airay: {exc}", file=sys.stderr)

@@ -244,7 +244,7 @@ class CheckpointSpec(_Spec):
 ChaosKind = Literal["kill_worker", "remove_node", "add_node", "hang_worker", "raise_in_user_code", "oom_worker",
                     "corrupt_checkpoint", "corrupt_memory_copy", "lose_node_memory", "slow_worker",
                     "lose_data_block", "stall_data_block", "kill_driver", "break_storage", "raise_in_airay",
-                    "device_error"]
+                    "device_error", "stall_collective"]
 # Faults the driver strikes on the data it hands a round (airay.chaos.spoil_rows), not at a round's start.
 DATA_FAULTS = ("lose_data_block", "stall_data_block")
 # Where a kill_worker or hang_worker strikes: inside a training step, or inside the next world
@@ -278,7 +278,11 @@ class ChaosSpec(_Spec):
     after step `at_step`. kill_driver: the driver process SIGKILLs itself at the start of
     `at_step` (a supervised driver, `airay run`, is restarted and resumes). break_storage: from
     `at_step` on, every write to the durable checkpoint directory fails (the directory is moved
-    aside and a file put in its place; restored when the run ends).
+    aside and a file put in its place; restored when the run ends). stall_collective: the rank
+    blocks just before its `collective`-th collective call of step `at_step` (counted from the
+    step's first forward; a step with fewer calls: after its last), so its peers enter that
+    collective and wait inside it: every rank stands still at one point, as under NCCL when one
+    GPU or link stops. The hang watch names the rank by its collective count (airay.health.position).
     """
 
     fault: ChaosKind
@@ -288,6 +292,8 @@ class ChaosSpec(_Spec):
     during: ChaosPoint = Field("step", description="kill_worker and hang_worker only: where the fault strikes")
     delay_s: float = Field(0.5, gt=0, description="slow_worker only: extra seconds per step")
     steps: int = Field(5, ge=1, description="slow_worker only: how many steps the rank is slow")
+    collective: int = Field(1, ge=1, description="stall_collective only: the rank blocks just before its "
+                            "collective call of this number in the step (1: the first)")
 
 
 class LocalClusterSpec(_Spec):
@@ -300,7 +306,10 @@ class LocalClusterSpec(_Spec):
 
 
 class TimeoutSpec(_Spec):
-    capacity_wait_s: float = Field(60, gt=0, description="how long to wait for min_workers to fit")
+    capacity_wait_s: float = Field(
+        600, gt=0, description="how long to wait for min_workers to fit, at start and after a loss leaves fewer: "
+        "long enough for the autoscaler to launch a node (a GPU cloud node takes minutes to boot and start Ray), "
+        "so a run on a cluster that starts small or loses a node waits for it instead of failing")
     collective_timeout_s: float = Field(120, gt=0, description="no rank blocks longer in a collective")
     survivor_drain_s: float = Field(30, gt=0, description="after a loss, wait this long for survivors to stop")
     grow_check_every_n_steps: int = Field(1, ge=1, description="how often to look for new capacity")
@@ -316,6 +325,11 @@ class TimeoutSpec(_Spec):
         "another thread) stands still this long is hung: killed and replaced like a crash. Must be longer "
         "than the slowest phase of a step (one micro-batch's forward, backward or optimizer step) and "
         "shorter than collective_timeout_s")
+    first_step_timeout_s: float | None = Field(
+        None, gt=0, description="hang_timeout_s for a rank's first step in a new world (after it joins: the "
+        "run's first world, a recovery, a grow), which also creates NCCL's communicators lazily and runs a first "
+        "compile. At least hang_timeout_s and below collective_timeout_s. Default: halfway between the two "
+        "(90 s with their defaults)")
 
     @model_validator(mode="after")
     def _hang_before_collective(self) -> "TimeoutSpec":
@@ -324,7 +338,21 @@ class TimeoutSpec(_Spec):
                 f"hang_timeout_s ({self.hang_timeout_s}) must be < collective_timeout_s "
                 f"({self.collective_timeout_s}): otherwise the peers' collectives time out first and the "
                 "hung rank is not the one named; lower timeouts.hang_timeout_s or raise collective_timeout_s")
+        first = self.first_step_timeout_s
+        if first is not None and not self.hang_timeout_s <= first < self.collective_timeout_s:
+            raise ValueError(
+                f"first_step_timeout_s ({first:g}) must be >= hang_timeout_s ({self.hang_timeout_s:g}) and < "
+                f"collective_timeout_s ({self.collective_timeout_s:g}): a first step gets more time than any other, "
+                "and its rank must be named before its peers' collectives time out; set timeouts.first_step_timeout_s "
+                "between them (or leave it unset)")
         return self
+
+    @property
+    def first_step_s(self) -> float:
+        """first_step_timeout_s, or its default: halfway between hang_timeout_s and collective_timeout_s."""
+        if self.first_step_timeout_s is not None:
+            return self.first_step_timeout_s
+        return (self.hang_timeout_s + self.collective_timeout_s) / 2
 
 
 class HealthSpec(_Spec):

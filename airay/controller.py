@@ -24,7 +24,7 @@ from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.data.pipeline import DataLog, Feeder, Stream
 from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
-    merge_pipelined, summarize_failures
+    merge_pipelined, node_mates, summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.telemetry import Telemetry, eta_s, progress_line
 from airay.worker_group import WorkerGroup
@@ -284,7 +284,9 @@ class Controller:
             else self._pipelined_end(current)
         if queue_end is not None:
             self.inflight = self._launch_round(current.end, queue_end)
-        outcomes, values = self.group.collect(current.refs, hang_timeout_s=self.cfg.timeouts.hang_timeout_s)
+        timeouts = self.cfg.timeouts
+        outcomes, values = self.group.collect(current.refs, hang_timeout_s=timeouts.hang_timeout_s,
+                                              first_step_timeout_s=timeouts.first_step_s)
         if not self._round_ok(outcomes, current):
             return State.RECOVERING
         self._check_stragglers(current.start, values)
@@ -388,14 +390,19 @@ class Controller:
         oom_nodes = sorted({group.member(r).node_id for r in verdict.lost_ranks
                             if verdict.outcomes[r].fault == "oom" and group.member(r).node_id})
         figures = {f["node_id"]: f for f in group.node_memory(oom_nodes)} if oom_nodes else {}
+        nodes = [m.node_id for m in group.active]
+        drop = list(verdict.lost_ranks)
         for rank in verdict.lost_ranks:
             m = group.member(rank)
             outcome = verdict.outcomes[rank]
             if outcome.kind == "hung":
+                # Its node's other ranks go with it (airay.health.node_mates): one failure, the hung rank's.
+                mates = [r for r in node_mates(rank, nodes) if r not in drop]
+                drop += mates
                 self.rec.event("hang_detected", step=self.step, rank=rank, node_id=m.node_id, phase=self.failed_phase,
                                detection_s=self.detection_s, stalled_s=hangs[rank]["stalled_s"],
                                heartbeat=hangs[rank]["heartbeat"], progress=hangs[rank]["progress"],
-                               error=outcome.error)
+                               deadline_s=hangs[rank].get("deadline_s"), evicted_ranks=mates, error=outcome.error)
                 kind = "hung"
             else:
                 lost_node = m.node_id in dead_nodes
@@ -415,7 +422,6 @@ class Controller:
                            outcome=verdict.kind, error=verdict.message)
             self.failures.append(Failure(self.t_detect, verdict.kind, verdict.rank, node, self.step))
         self._check_budget()
-        drop = list(verdict.lost_ranks)
         exclude = policy.nodes_to_exclude(self.node_failures, self.cfg.health.exclude_node_after_failures,
                                           group.excluded)
         if exclude:

@@ -38,12 +38,23 @@ MATRIX: dict[str, Row] = {
         "`hang_worker` `hang_mode: sleep` (a blocking call inside the step)",
         "heartbeat (control thread) answers but the rank's progress (step, micro-batch, phase) stands "
         "still for `timeouts.hang_timeout_s` while it is the furthest behind (`hang_detected`, heartbeat true)",
-        "ray.kill the hung actor, then recover like a crash",
+        "ray.kill the hung actor and its node's other ranks (`evicted_ranks`), then recover like a crash",
         "recovered"),
     "hang_sigstop": Row(
         "`hang_worker` `hang_mode: sigstop` (the whole process stops)",
         "heartbeat stops answering and progress stands still for `hang_timeout_s` (`hang_detected`, heartbeat false)",
-        "ray.kill the stopped actor, then recover like a crash",
+        "ray.kill the stopped actor and its node's other ranks, then recover like a crash",
+        "recovered"),
+    "all_ranks_stall": Row(
+        "`stall_collective` (`collective: k`: a rank blocks just before its k-th collective call of the step; its "
+        "peers enter that call and wait inside it, so every rank stands still at one point, as under NCCL when one "
+        "GPU or link stops)",
+        "every rank's progress stands still for `timeouts.hang_timeout_s`; the heartbeats' collective counts (calls "
+        "entered and left in the phase; torch's per-group counters where every rank reports them) show one rank "
+        "never entered the call the others wait in: it alone is the furthest behind (`hang_detected`, heartbeat "
+        "true, `evicted_ranks`)",
+        "ray.kill it and its node's other ranks (one failure), shrink to the other nodes, reload the last "
+        "checkpoint, regrow when the replacements in the same bundles are ready",
         "recovered"),
     "raise_in_user_code": Row(
         "`raise_in_user_code` (the loss function raises)",
@@ -99,7 +110,7 @@ MATRIX: dict[str, Row] = {
         "`hang_worker` `during: save` (a rank blocks inside a save)",
         "its progress inside the save stands still for `timeouts.phase_timeout_s` while it is the furthest "
         "behind (`hang_detected`, phase save)",
-        "ray.kill it, recover like a crash from the checkpoint before",
+        "ray.kill it and its node's other ranks, recover like a crash from the checkpoint before",
         "recovered"),
     "kill_driver": Row(
         "`kill_driver` (the driver process is SIGKILLed at a round start)",
@@ -256,9 +267,14 @@ def render(results: dict) -> str:
         "progress for `timeouts.phase_timeout_s` (default 600) in one of them is hung. Every driver wait on "
         "the ranks is bounded by one of the two; commits and uploads by their own deadlines. Detection takes hang_timeout_s plus up to two heartbeat polls "
         "(every min(1 s, hang_timeout_s / 4)): the driver reads a heartbeat one poll after asking for it.",
-        "- A rank is hung when its progress stood still for `hang_timeout_s` and either its heartbeat stopped "
-        "answering or it is the furthest behind (the others wait for it in a collective); if every rank "
-        "stands still at the same point, all are hung.",
+        "- A rank is hung when its progress (step, micro-batch, phase, and the collective calls it entered and left "
+        "in that phase) stood still for `hang_timeout_s` (`timeouts.first_step_timeout_s` in its first step of a new "
+        "world) and either its heartbeat stopped answering (of several, the first to stop) or it is the furthest "
+        "behind: the others wait for it in a collective. When one rank stalls its collective (`stall_collective`; "
+        "one GPU or link under NCCL), every rank stands still at one step, micro-batch and phase, and the collective "
+        "counts name the rank that never entered the call the others wait in. Only if every rank stands at exactly "
+        "the same place, the same collective entered by all, are all hung (a deadlock). A hung rank's node goes "
+        "with it: its other ranks are replaced too (`evicted_ranks` of `hang_detected`), counted as one failure.",
         "- Infrastructure faults (actor or node death, hang, MemoryError / Ray OutOfMemoryError or a kill by Ray's "
         "memory monitor, a CUDA error, lost objects) recover; exceptions in user code fail fast unless `health.retry_user_errors` allows a bounded number "
         "of retries. Every recovery counts against `max_failures` within `health.failure_window_s`; "

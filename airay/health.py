@@ -147,40 +147,86 @@ def merge_pipelined(failed: list[RankOutcome], behind: list[RankOutcome | None])
 
 # ---- hangs ------------------------------------------------------------------------------------
 
-# A rank's progress inside a round, as its heartbeat reports it: (step, micro-batch, phase).
-# Phases in the order a step passes them; a rank at a smaller position is behind. A join, save
-# or load is one phase of its own, its sub-steps counted in the micro-batch place.
+# A rank's progress inside a round, as its heartbeat reports it: (step, micro-batch, phase) and
+# the collective calls it has entered and left since the phase began. Phases in the order a step
+# passes them; a rank at a smaller position is behind. A join, save or load is one phase of its
+# own, its sub-steps counted in the micro-batch place.
 PHASES = ("start", "data", "forward", "backward", "optimizer", "done", "join", "save", "fetch", "load")
 
 
-def position(progress: dict) -> tuple[int, int, int]:
-    return (int(progress.get("step", -1)), int(progress.get("micro", -1)),
-            PHASES.index(progress.get("phase", "start")))
+def position(progress: dict, groups: bool = True) -> tuple[int, ...]:
+    """(step, micro-batch, phase, collectives entered, collectives left[, torch's group counters]).
+
+    Every rank of a data-parallel world makes the same collective calls in the same order, so
+    within one phase the counts compare across ranks: a rank that entered k calls while its
+    peers entered k + 1 is the one they wait for inside call k + 1. The host's counts
+    (airay.commtime) come first: with NCCL a host thread that returned from queuing a collective
+    may still be behind on its device, which torch's per-group counters tell (completed, started,
+    enqueued: airay.worker.dist.collective_counts), compared last and only with `groups` (the
+    caller's word that every rank reports them: a rank without them would look behind)."""
+    entered, left = progress.get("collectives", (0, 0))
+    place = (int(progress.get("step", -1)), int(progress.get("micro", -1)),
+             PHASES.index(progress.get("phase", "start")), int(entered), int(left))
+    return place + tuple(progress.get("groups", ())) if groups else place
 
 
-def find_hung(positions: dict[int, tuple[int, int, int]], last_change: dict[int, float],
-              answering: set[int], now: float, hang_timeout_s: float) -> list[int]:
+def deadline(progress: dict, hang_timeout_s: float, first_step_timeout_s: float | None = None) -> float:
+    """How long a rank may stand still: `first_step_timeout_s` (None: not its first step) until
+    its heartbeat says it has completed a step in this world, hang_timeout_s after. A world's
+    first step also creates NCCL's communicators lazily and runs a first compile."""
+    if first_step_timeout_s is not None and not progress.get("steps"):
+        return first_step_timeout_s
+    return hang_timeout_s
+
+
+def find_hung(positions: dict[int, tuple[int, ...]], last_change: dict[int, float], last_answer: dict[int, float],
+              now: float, timeouts: dict[int, float] | float, poll_s: float = 1.0) -> list[int]:
     """The ranks to declare hung, or [].
 
-    `positions`: each rank's last reported progress; `last_change`: when (driver clock) the
-    driver last saw it change; `answering`: ranks whose heartbeat answered recently.
-    A stalled rank (no change for hang_timeout_s) is hung if its heartbeat stopped answering (the
-    process is stopped), or if it is the furthest behind: in data-parallel training every other
-    rank soon blocks in a collective waiting for it, so they stall too, but further ahead. When
-    every rank stalls at the same position, all are hung (a deadlock or a hang on every rank).
+    `positions`: each running rank's last reported place (position()); `last_change`: when
+    (driver clock) the driver last saw it change; `last_answer`: when its heartbeat last
+    answered; `timeouts`: how long each may stand still (deadline(); one number: all alike).
+    A rank is stalled when its place has not changed for its timeout. A stalled rank is hung
+    - if its heartbeat stopped answering for its timeout too (the process is stopped). Of
+      several, those that stopped first (within one heartbeat poll, `poll_s`): a process
+      stopped with its peers' data can leave them blocked in a way that silences them later;
+    - else if it is the furthest behind (with any rank at the same place): in data-parallel
+      training every other rank soon blocks in a collective waiting for it, so they stall too,
+      but further ahead: by a step, a phase, or one collective call (position()). When one GPU
+      or link stops, every rank stalls at one point; the rank that never entered the collective
+      its peers wait in is the one named, alone.
+    When every rank stands still at exactly the same place, the same collective entered and not
+    left by all, none waits for another: a deadlock or a fault they all share. All are hung.
     """
-    stalled = {r for r, t in last_change.items() if now - t >= hang_timeout_s}
+    limit = timeouts if isinstance(timeouts, dict) else dict.fromkeys(positions, timeouts)
+    stalled = {r for r, t in last_change.items() if now - t >= limit[r]}
     if not stalled:
         return []
-    silent = sorted(stalled - answering)
+    silent = [r for r in stalled if now - last_answer[r] >= limit[r]]
     if silent:
-        return silent
+        first = min(last_answer[r] for r in silent)
+        return sorted(r for r in silent if last_answer[r] - first <= poll_s)
     behind = min(positions.values())
     hung = sorted(r for r in stalled if positions[r] == behind)
     # The furthest-behind rank still moves: the others are waiting on it, not hung.
     if any(positions[r] == behind and r not in stalled for r in positions):
         return []
     return hung
+
+
+def node_mates(rank: int, nodes: list[str | None]) -> list[int]:
+    """The other ranks on `rank`'s node (`nodes[r]`: rank r's node), replaced with a hung rank.
+
+    A hang is the node's incident, not the rank's: the ranks of a GPU node share its NVLink or
+    NVSwitch fabric, PCIe switches, NICs and GPU driver, and a fault in any of them stalls or
+    poisons them all (an Xid that wedges the driver, a link that drops). They cannot be told
+    apart from healthy ranks while they wait in the collective the hung rank never entered, and
+    a world re-formed with them would stall again a hang timeout later, one rank at a time.
+    Replacing them costs their processes' restart, in the same bundles, which the shrunk world
+    trains through; and like a node excluded for failures, they count as one failure, the hung
+    rank's."""
+    node = nodes[rank]
+    return [r for r, n in enumerate(nodes) if node is not None and n == node and r != rank]
 
 
 # ---- stragglers -----------------------------------------------------------------------------

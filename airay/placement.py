@@ -94,3 +94,22 @@ def request_capacity(per_worker: dict[str, float], n: int, exclude: set[str] | f
     selectors = avoid_nodes(set(exclude), n)
     request_resources(bundles=bundles, bundle_label_selectors=selectors) if selectors \
         else request_resources(bundles=bundles)
+
+
+def withdraw_request(address: str) -> bool:
+    """Withdraw the cluster's standing request (request_capacity with 0) from a process that is
+    not a run's driver: `airay run`'s supervisor, once the driver that made it died. False when
+    `address` is "auto" and no cluster runs here (the driver's own Ray went with it)."""
+    import ray
+
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except ConnectionError:
+        if address == "auto":
+            return False
+        raise
+    try:
+        request_capacity({}, 0)
+    finally:
+        ray.shutdown()
+    return True

@@ -12,6 +12,10 @@ is) runs the driver as a child process in its own session and waits for it:
   health.max_driver_restarts times. It resumes from the newest checkpoint there (durable, or a
   memory tier the nodes still hold) and records `driver_restarted`.
 
+A driver withdraws its autoscaler request (room for max_workers bundles) when its run ends; one
+that died could not. When the supervisor gives up on it (restarts spent, or stopped by a signal),
+it withdraws the request itself, so the autoscaler may scale the cluster down again.
+
 SIGTERM and SIGINT are passed to the driver (a preemption notice, Ctrl-C) and end supervision.
 The supervisor itself imports nothing heavy: it must outlive what kills the driver.
 """
@@ -48,8 +52,19 @@ def should_restart(returncode: int, attempt: int, max_restarts: int, stopping: b
     return returncode not in FINAL_EXITS and not stopping and attempt < max_restarts
 
 
-def supervise(driver_argv: list[str], run_dir: str, max_restarts: int, launched_ts: float | None) -> int:
-    """Run `python -m airay.cli <driver_argv>` until it ends the run; returns its exit code."""
+def cluster_address(spec: dict) -> str | None:
+    """Pure: the Ray cluster a driver of this spec mapping connects to, as its fit() does (the
+    spec's ray_address, else RAY_ADDRESS, else "auto": a cluster running on this machine); None
+    for a spec whose driver starts its own local cluster (`cluster:`), gone with the driver."""
+    if spec.get("cluster"):
+        return None
+    return spec.get("ray_address") or os.environ.get("RAY_ADDRESS") or "auto"
+
+
+def supervise(driver_argv: list[str], run_dir: str, max_restarts: int, launched_ts: float | None,
+              address: str | None = None) -> int:
+    """Run `python -m airay.cli <driver_argv>` until it ends the run; returns its exit code.
+    `address`: the driver's Ray cluster (cluster_address), where its autoscaler request stands."""
     attempt, previous = 0, None
     stopping: list[int] = []
     child: subprocess.Popen | None = None
@@ -74,6 +89,8 @@ def supervise(driver_argv: list[str], run_dir: str, max_restarts: int, launched_
             rc = child.wait()
             kill_session(child.pid)
             if not should_restart(rc, attempt, max_restarts, bool(stopping)):
+                if rc not in FINAL_EXITS:  # the driver died: its request stands until withdrawn here
+                    withdraw_request(address)
                 if rc not in FINAL_EXITS and not stopping:
                     give_up(run_dir, exit_text(rc), max_restarts)
                     return 1
@@ -92,6 +109,31 @@ def _pythonpath() -> str:
     run without installing, as jobs/train.py does), so the driver imports the same code."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root])
+
+
+def withdraw_request(address: str | None, timeout_s: float = 60.0) -> bool:
+    """Withdraw the autoscaler request a dead driver left standing on the cluster at `address`
+    (None: nothing to do); whether it was. In a child process, bounded: the supervisor imports
+    no Ray, and a cluster that is gone must not keep it from exiting."""
+    if address is None:
+        return False
+    code = ("import sys; from airay.placement import withdraw_request; "
+            "sys.exit(0 if withdraw_request(sys.argv[1]) else 3)")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True,
+                              timeout=timeout_s, env={**os.environ, "PYTHONPATH": _pythonpath()})
+    except subprocess.TimeoutExpired:
+        print(f"airay: could not withdraw the run's autoscaler request: no answer from {address} in "
+              f"{timeout_s:.0f}s", file=sys.stderr)
+        return False
+    if proc.returncode == 3:  # "auto" found no cluster on this machine: the driver's own went with it
+        return False
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        print(f"airay: could not withdraw the run's autoscaler request at {address}: {last}", file=sys.stderr)
+        return False
+    print("airay: withdrew the run's autoscaler request (the cluster may scale down)", file=sys.stderr)
+    return True
 
 
 def kill_session(sid: int) -> None:

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from airay import placement, policy
 from airay.checkpoint.actors import start_store
 from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
-from airay.health import RankOutcome, actor_died, find_hung, position
+from airay.health import RankOutcome, actor_died, deadline, find_hung, position
 from airay.policy import BatchPlan
 from airay.worker import TrainWorker
 from airay.worker.failures import RankError, UserCodeError
@@ -63,6 +63,7 @@ class WorkerGroup:
         self.hangs: list[dict[str, Any]] = []  # the hung ranks of the last failed round, and why
         self.excluded: set[str] = set()  # nodes kept out of placement for the rest of the run
         self.demanded = 0  # worker bundles requested from the autoscaler (placement.request_capacity)
+        self.fresh: set[int] = set()  # ranks that have completed no round in the world they are in
         self._actor_cls = ray.remote(concurrency_groups={"control": 1, "io": 1, "upload": 1})(TrainWorker)
         env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if per_worker.get("GPU") else {}
         self._actor_opts = {**placement.actor_options(per_worker), "max_restarts": 0,
@@ -338,6 +339,7 @@ class WorkerGroup:
                                     init_weights)
                 for rank, m in enumerate(self.active)]
         outcomes, values = self._gather(refs, self.phase_timeout_s, abort_port=ports[0])
+        self.fresh = set(range(world_size))
         for m, v in zip(self.active, values):
             m.joined = v or {}
             m.warm = True  # its join built an engine
@@ -359,9 +361,14 @@ class WorkerGroup:
         moment that one ends (the controller's pipelined rounds)."""
         return [m.actor.train.remote(start, end, faults.get(rank), feed) for rank, m in enumerate(self.active)]
 
-    def collect(self, refs: list, hang_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
-        """Wait for a launched round: its outcomes and each rank's step records."""
-        return self._gather(refs, hang_timeout_s)
+    def collect(self, refs: list, hang_timeout_s: float | None = None,
+                first_step_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
+        """Wait for a launched round: its outcomes and each rank's step records. A rank that has
+        completed no step in its world yet may stand still for `first_step_timeout_s`."""
+        first = dict.fromkeys(self.fresh, first_step_timeout_s) if first_step_timeout_s else None
+        outcomes, values = self._gather(refs, hang_timeout_s, first_step=first)
+        self.fresh -= {o.rank for o, v in zip(outcomes, values) if o.kind == "ok" and v}
+        return outcomes, values
 
     def settle(self, refs: list) -> list[RankOutcome | None]:
         """A round queued behind one that failed cannot finish (a peer is gone): wake its ranks
@@ -422,18 +429,19 @@ class WorkerGroup:
 
     def _gather(self, refs: list, hang_timeout_s: float | None = None,
                 collective: bool = True, abort_port: int | None = None,
-                broken: bool = False) -> tuple[list[RankOutcome], list]:
+                broken: bool = False, first_step: dict[int, float] | None = None) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
         (their collectives fail fast when a peer's sockets close: a `collective` call's failure
         wakes them with abort_world; a call that uses no collective leaves the world alone);
         ranks still silent then are counted as lost (`abort_port`: the rendezvous of a world still
         forming, whose store connections are shut down instead). With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
-        that makes no progress that long (airay.health.find_hung) is killed as hung."""
+        that makes no progress that long (airay.health.find_hung; `first_step`: longer deadlines of
+        ranks in their world's first step) is killed as hung."""
         by_ref = {ref: rank for rank, ref in enumerate(refs) if ref is not None}
         outcomes: dict[int, RankOutcome] = {r: RankOutcome(r, "ok") for r, ref in enumerate(refs) if ref is None}
         values: list = [None] * len(refs)
         deadline = None
-        watch = _HangWatch(len(refs), hang_timeout_s) if hang_timeout_s else None
+        watch = _HangWatch(len(refs), hang_timeout_s, first_step) if hang_timeout_s else None
         if broken:
             # `broken`: the calls' world already failed (settle). Wake them now; this failure was
             # detected and its hangs described by the gather that saw it: those stay as they are.
@@ -619,16 +627,21 @@ def _bundle_node(m: Member) -> str | None:
 
 
 class _HangWatch:
-    """Polls every running rank's heartbeat and remembers when its progress last changed."""
+    """Polls every running rank's heartbeat and remembers when its progress last changed.
+    `first_step`: {rank: its deadline while it has completed no step in its world}."""
 
-    def __init__(self, world: int, hang_timeout_s: float):
+    def __init__(self, world: int, hang_timeout_s: float, first_step: dict[int, float] | None = None):
         now = time.time()
         self.timeout = hang_timeout_s
+        self.first_step = first_step or {}
         self.poll_s = min(1.0, hang_timeout_s / 4)
         self.progress: dict[int, dict] = {r: {} for r in range(world)}
         self.last_change = {r: now for r in range(world)}
         self.last_answer = {r: now for r in range(world)}
         self.inflight: dict[int, Any] = {}
+
+    def deadline(self, rank: int) -> float:
+        return deadline(self.progress[rank], self.timeout, self.first_step.get(rank))
 
     def poll(self, actors: list, running: set[int]) -> list[int]:
         """Collect answered heartbeats, ask again, return the ranks to declare hung."""
@@ -649,15 +662,21 @@ class _HangWatch:
         for rank in running:
             if rank not in self.inflight:
                 self.inflight[rank] = actors[rank].heartbeat.remote()
-        answering = {r for r in running if now - self.last_answer[r] < self.timeout}
-        return find_hung({r: position(self.progress[r]) for r in running},
-                         {r: self.last_change[r] for r in running}, answering, now, self.timeout)
+        groups = all("groups" in self.progress[r] for r in running)  # torch's counters, where all report them
+        return find_hung({r: position(self.progress[r], groups) for r in running},
+                         {r: self.last_change[r] for r in running}, {r: self.last_answer[r] for r in running},
+                         now, {r: self.deadline(r) for r in running}, self.poll_s)
 
     def describe(self, rank: int) -> dict[str, Any]:
         now = time.time()
         p = self.progress[rank]
-        answering = now - self.last_answer[rank] < self.timeout
+        answering = now - self.last_answer[rank] < self.deadline(rank)
         where = f"step {p.get('step')} micro-batch {p.get('micro')} phase {p.get('phase')}" if p else "its first step"
+        if p.get("collectives"):
+            entered, left = p["collectives"]
+            where += f", {f'inside collective call {entered}' if entered > left else f'before collective call {entered + 1}'}" \
+                     " of the phase"
         return {"rank": rank, "stalled_s": now - self.last_change[rank], "heartbeat": answering, "progress": p,
+                "deadline_s": self.deadline(rank),
                 "reason": f"no progress for {now - self.last_change[rank]:.1f}s at {where}; heartbeat "
                           f"{'answering (blocked in the training thread)' if answering else 'not answering (process stopped)'}"}

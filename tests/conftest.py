@@ -1,4 +1,5 @@
 import contextlib
+import json
 import os
 import threading
 import time
@@ -15,6 +16,15 @@ from airay.local_cluster import LocalCluster
 def live_airay_actors() -> list[str]:
     return [a["ActorClassName"] for a in ray.state.actors().values()
             if a["State"] != "DEAD" and a["ActorClassName"] in ("TrainWorker", "Committer", "MemoryReplica")]
+
+
+def standing_request() -> list:
+    """The bundles of the cluster's request_resources request, where the (v1) autoscaler reads it."""
+    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []
 
 
 def live_placement_groups() -> list[str]:

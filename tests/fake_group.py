@@ -220,7 +220,7 @@ class FakeGroup:
         self.calls.append(("launch", (start, end)))
         return [FakeRef((start, end)) for _ in self.active]
 
-    def collect(self, refs, hang_timeout_s=None):
+    def collect(self, refs, hang_timeout_s=None, first_step_timeout_s=None):
         start, end = refs[0].value
         return self._play(start, end)
 

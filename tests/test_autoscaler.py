@@ -10,7 +10,6 @@ autoscaler replaces the node and the world regrows to 4. When the run ends the r
 withdrawn.
 """
 
-import json
 import os
 import threading
 import time
@@ -23,7 +22,7 @@ import ray
 from airay import JobConfig, fit
 from airay.events import committed_losses, read_jsonl
 from airay.local_cluster import FAST_HEALTH_CHECK
-from tests.conftest import assert_released
+from tests.conftest import assert_released, standing_request
 
 pytestmark = pytest.mark.cluster
 
@@ -46,15 +45,6 @@ def kill_node(node_id: str) -> None:
             proc.kill()
             return
     raise AssertionError(f"no raylet of node {node_id}")
-
-
-def standing_request() -> list:
-    """The bundles of the cluster's request_resources request, where the (v1) autoscaler reads it."""
-    from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
-    return json.loads(raw) if raw else []
 
 
 def wait_for(predicate, timeout_s: float, what: str):

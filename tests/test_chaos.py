@@ -17,11 +17,27 @@ def test_round_faults_one_shot_and_slow_steps():
                   {"fault": "kill_worker", "at_step": 4, "rank": 3},
                   {"fault": "add_node", "at_step": 4})
     out = round_faults(chaos, set(), 4, 9, world=3)
-    assert out[1] == {4: {"fault": "hang_worker", "hang_mode": "sigstop", "delay_s": 0.5}}
+    assert out[1] == {4: {"fault": "hang_worker", "hang_mode": "sigstop", "delay_s": 0.5, "collective": 1}}
     assert sorted(out[2]) == [4, 5]  # slow in steps 3..5; this round starts at 4
     assert 3 not in out  # rank 3 is outside a world of 3
     assert 1 not in round_faults(chaos, {0}, 4, 9, world=3)  # already fired
     assert round_faults(chaos, set(), 5, 9, world=4).keys() == {2}
+
+
+def test_stall_collective_stops_the_rank_just_before_its_kth_collective_of_the_step():
+    """The worker strikes it at the step's first forward: the rank blocks when it is about to
+    enter its `collective`-th call (airay.commtime); a step with fewer calls blocks at its end."""
+    from airay import chaos, commtime
+
+    (fault,) = round_faults(specs({"fault": "stall_collective", "at_step": 6, "rank": 1, "collective": 3}),
+                            set(), 6, 10, world=2)[1].values()
+    assert fault["fault"] == "stall_collective" and fault["collective"] == 3
+    chaos.strike(fault, 6, 1)
+    entered, _ = commtime.calls()
+    assert commtime._before[0] == entered + 3 and commtime._before[1] is chaos.block_forever
+    assert commtime.disarm()  # still waiting: the step made fewer calls (step_done would block here)
+    chaos.step_done(fault)  # struck (or disarmed) already: the step ends normally
+    assert not commtime.disarm()
 
 
 def test_rounds_are_quiet_only_when_no_fault_can_act_on_them():

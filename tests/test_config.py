@@ -190,6 +190,39 @@ def test_fault_and_health_fields_are_validated_with_the_fix():
     assert ok.health.retry_user_errors == 1 and ok.timeouts.hang_timeout_s < ok.timeouts.collective_timeout_s
 
 
+def test_a_first_step_gets_its_own_deadline_between_the_hang_and_collective_timeouts():
+    base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+            "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 20}
+    timeouts = JobConfig.from_dict(base).timeouts
+    assert (timeouts.first_step_timeout_s, timeouts.first_step_s) == (None, 90.0)  # halfway between 60 and 120
+    assert JobConfig.from_dict({**base, "timeouts": {"hang_timeout_s": 4, "collective_timeout_s": 30}}
+                               ).timeouts.first_step_s == 17.0
+    assert JobConfig.from_dict({**base, "timeouts": {"first_step_timeout_s": 60}}).timeouts.first_step_s == 60
+    for bad in (30, 120, 200):  # below hang_timeout_s, at or past collective_timeout_s
+        with pytest.raises(ConfigError, match=r"first_step_timeout_s \(\d+\) must be >= hang_timeout_s \(60\) "
+                                              r"and < collective_timeout_s \(120\)"):
+            JobConfig.from_dict({**base, "timeouts": {"first_step_timeout_s": bad}})
+
+
+def test_capacity_wait_outlasts_a_cloud_nodes_boot():
+    base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+            "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 20}
+    assert JobConfig.from_dict(base).timeouts.capacity_wait_s == 600  # a GPU node boots in minutes
+
+
+def test_stall_collective_is_a_step_fault_with_its_collective_number():
+    base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
+            "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 20,
+            "scaling": {"min_workers": 1, "max_workers": 4}}
+    ok = JobConfig.from_dict({**base, "chaos": [{"fault": "stall_collective", "at_step": 6, "rank": 1,
+                                                 "collective": 3}]})
+    assert ok.chaos[0].collective == 3
+    with pytest.raises(ConfigError, match="chaos.0.collective"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "stall_collective", "at_step": 6, "collective": 0}]})
+    with pytest.raises(ConfigError, match=r"chaos\[0\]\.during is for kill_worker and hang_worker"):
+        JobConfig.from_dict({**base, "chaos": [{"fault": "stall_collective", "at_step": 6, "during": "save"}]})
+
+
 def test_chaos_points_and_storage_faults_are_checked_before_any_actor_starts():
     base = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
             "global_batch_size": 8, "micro_batch_size": 2, "max_steps": 20,

@@ -127,14 +127,20 @@ def test_worlds_that_load_a_checkpoint_build_without_weights_unless_none_loads(t
 
 
 def test_a_hang_during_save_resumes_from_the_checkpoint_before(tmp_path):
-    ctl, _ = controller(tmp_path, {"save": {2: {1: "hung"}}})  # the save of step 10
+    # the save of step 10; replacements come up a few polls later
+    ctl, _ = controller(tmp_path, {"save": {2: {1: "hung"}}}, ready_after=[0, 0, 0, 0, 3, 3])
     result = ctl.run()
     assert result.status == "finished"
     (hang,) = events(ctl, "hang_detected")
     assert (hang["phase"], hang["rank"], hang["step"]) == ("save", 1, 10)
+    # Its node goes with it: rank 0 shares node0 with rank 1 (a world's ranks are grouped by
+    # node); one failure, the hung rank's, and its node's count is one.
+    assert hang["evicted_ranks"] == [0] and result.world_sizes[:2] == [4, 2]
+    assert [f.rank for f in ctl.failures] == [1] and ctl.node_failures == {"node0": 1}
     (uncommitted,) = [e for e in events(ctl, "checkpoint_failed") if e["step"] == 10]
     assert "rank 1 hung during the save" in uncommitted["error"]
-    assert [(e["step"], e["tier"]) for e in events(ctl, "checkpoint_loaded")] == [(5, "memory")]
+    # the recovery loads step 5; the grow when the replacements are up loads the step it checkpoints
+    assert [(e["step"], e["tier"]) for e in events(ctl, "checkpoint_loaded")][0] == (5, "memory")
 
 
 def test_a_final_checkpoint_that_never_becomes_durable_fails_the_run_with_the_reason(tmp_path):

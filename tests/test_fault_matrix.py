@@ -143,19 +143,43 @@ def test_kill_node(cluster, tmp_path, baseline, results):
 
 def test_hangs_are_detected_killed_and_recovered(cluster, tmp_path, baseline, results):
     """A blocking call inside the step (heartbeat answers, progress stands still), then a stopped
-    process (heartbeat silent)."""
+    process (heartbeat silent). Each hung rank's node goes with it: the first hang leaves the
+    other node's two ranks (ranks 0 and 1 from then on, whether or not the replacements have
+    rejoined by step 13), and the second stops one of them."""
     result = run(cluster, tmp_path, "hang", [{"fault": "hang_worker", "at_step": 6, "rank": 1, "hang_mode": "sleep"},
-                                              {"fault": "hang_worker", "at_step": 13, "rank": 2,
+                                              {"fault": "hang_worker", "at_step": 13, "rank": 1,
                                                "hang_mode": "sigstop"}])
-    assert_recovered(result, baseline, (4, 3))
+    assert_recovered(result, baseline, (4, 2))  # ranks 0 and 1 share a node
     sleep, stop = events(result, "hang_detected")
-    assert (sleep["rank"], sleep["step"], sleep["heartbeat"]) == (1, 6, True)
-    assert (stop["rank"], stop["step"], stop["heartbeat"]) == (2, 13, False)  # a stopped process cannot answer
+    assert (sleep["rank"], sleep["step"], sleep["heartbeat"], sleep["evicted_ranks"]) == (1, 6, True, [0])
+    assert (stop["rank"], stop["step"], stop["heartbeat"]) == (1, 13, False)  # a stopped process cannot answer
+    assert sleep["node_id"] != stop["node_id"] and stop["evicted_ranks"] == [0]
     for hang in (sleep, stop):
         assert hang["stalled_s"] >= HANG_TIMEOUT_S and hang["detection_s"] >= HANG_TIMEOUT_S
     assert events(result, "worker_failed") == []  # the peers' aborted collectives are not failures
     record(results, "hang_sleep", result, sleep["detection_s"], "recovered")
     record(results, "hang_sigstop", result, stop["detection_s"], "recovered", failure_index=1)
+
+
+def test_a_hang_of_every_rank_at_one_collective_replaces_only_the_node_that_stalled_first(cluster, tmp_path, baseline,
+                                                                                         results):
+    """At step 6 rank 1 stops just before its 2nd collective call of the step (stall_collective);
+    its peers enter that collective and wait inside it. Every rank's step, micro-batch and phase
+    then stand still at one point, as under NCCL when one GPU stops; the collective counts in the
+    heartbeats show rank 1 never entered the call the others wait in: it alone is hung, and its
+    node (rank 0 beside it) is replaced. The run trains on with the other node's two ranks."""
+    result = run(cluster, tmp_path, "stall", [{"fault": "stall_collective", "at_step": 6, "rank": 1, "collective": 2}])
+    assert_recovered(result, baseline, (4, 2))
+    (hang,) = events(result, "hang_detected")
+    assert (hang["rank"], hang["step"], hang["heartbeat"], hang["evicted_ranks"]) == (1, 6, True, [0])
+    entered, left = hang["progress"]["collectives"]
+    assert entered == left and hang["progress"]["step"] == 6  # stopped between two calls of step 6
+    assert hang["stalled_s"] >= HANG_TIMEOUT_S and hang["deadline_s"] == HANG_TIMEOUT_S  # not a first step
+    assert events(result, "worker_failed") == []  # the peers' aborted collectives are not failures
+    (failure,) = [r for r in result.resizes if r["reason"] == "failure"]
+    assert (failure["old_world_size"], failure["new_world_size"]) == (4, 2)
+    assert [e["rank"] for e in events(result, "fault_injected")] == [1]
+    record(results, "all_ranks_stall", result, hang["detection_s"], "recovered")
 
 
 def test_user_code_error_fails_fast_with_rank_and_traceback(cluster, tmp_path, results):

@@ -1,5 +1,5 @@
-from airay.health import Failure, RankOutcome, classify_round, find_hung, find_stragglers, merge_pipelined, position, \
-    summarize_failures
+from airay.health import Failure, RankOutcome, classify_round, deadline, find_hung, find_stragglers, merge_pipelined, \
+    node_mates, position, summarize_failures
 
 
 def test_all_ok():
@@ -47,25 +47,85 @@ def test_phase_positions_order_progress_within_a_step():
     assert position({}) < position({"step": 0, "micro": -1, "phase": "data"})
 
 
+def test_collective_calls_order_ranks_inside_a_phase():
+    at = {"step": 3, "micro": 1, "phase": "backward"}
+    before_k = position({**at, "collectives": [4, 4]})  # left call 4, never entered call 5
+    inside_k = position({**at, "collectives": [5, 4]})  # waits inside call 5
+    assert before_k < inside_k < position({**at, "collectives": [5, 5]})
+    assert position({**at, "collectives": [9, 9]}) < position({"step": 3, "micro": 1, "phase": "optimizer"})
+    # torch's group counters (completed, started, enqueued) break a tie of the host's counts: under
+    # NCCL a rank whose device never started collective 5 is behind peers whose devices did.
+    host = {**at, "collectives": [5, 5]}
+    assert position({**host, "groups": [4, 4, 5]}) < position({**host, "groups": [4, 5, 5]})
+    assert position({**host, "groups": [4, 4, 5]}, groups=False) == position({**host, "groups": [4, 5, 5]}, groups=False)
+
+
+def answered(at: float, *ranks: int) -> dict[int, float]:
+    return dict.fromkeys(ranks, at)
+
+
 def test_find_hung_names_the_rank_the_others_wait_for():
-    fwd, coll = (5, 0, 2), (5, 1, 3)  # rank 1 stuck in forward; the others blocked in the all-reduce
+    fwd, coll = (5, 0, 2, 0, 0), (5, 1, 3, 1, 0)  # rank 1 stuck in forward; the others blocked in the all-reduce
     positions = {0: coll, 1: fwd, 2: coll}
     changed = {0: 7.0, 1: 2.0, 2: 7.5}
-    assert find_hung(positions, changed, {0, 1, 2}, now=4.0, hang_timeout_s=3) == []
-    assert find_hung(positions, changed, {0, 1, 2}, now=8.0, hang_timeout_s=3) == [1]  # others still moved
-    assert find_hung(positions, changed, {0, 1, 2}, now=11.0, hang_timeout_s=3) == [1]  # all stalled, 1 behind
+    assert find_hung(positions, changed, answered(3.9, 0, 1, 2), now=4.0, timeouts=3) == []
+    assert find_hung(positions, changed, answered(7.9, 0, 1, 2), now=8.0, timeouts=3) == [1]  # others still moved
+    assert find_hung(positions, changed, answered(10.9, 0, 1, 2), now=11.0, timeouts=3) == [1]  # all stalled, 1 behind
     # the furthest-behind rank still moves: the stalled ones wait on it
-    assert find_hung({0: coll, 1: fwd}, {0: 0.0, 1: 10.0}, {0, 1}, now=11.0, hang_timeout_s=3) == []
+    assert find_hung({0: coll, 1: fwd}, {0: 0.0, 1: 10.0}, answered(10.9, 0, 1), now=11.0, timeouts=3) == []
+
+
+def test_every_rank_stalled_at_one_step_phase_names_only_the_one_that_never_entered_the_collective():
+    """stall_collective, or one GPU stopping under NCCL: every rank stands still in the same
+    micro-batch and phase; the one that left call 2 and never entered call 3 is named alone."""
+    at = {"step": 6, "micro": 0, "phase": "backward"}
+    beats = {0: {**at, "collectives": [3, 2]}, 1: {**at, "collectives": [2, 2]}, 2: {**at, "collectives": [3, 2]},
+             3: {**at, "collectives": [3, 2]}}
+    positions = {r: position(b) for r, b in beats.items()}
+    assert find_hung(positions, dict.fromkeys(beats, 0.0), answered(9.5, 0, 1, 2, 3), now=10.0, timeouts=4) == [1]
+    # Without the counts (the old (step, micro, phase) place) it would be every rank:
+    coarse = {r: p[:3] for r, p in positions.items()}
+    assert find_hung(coarse, dict.fromkeys(beats, 0.0), answered(9.5, 0, 1, 2, 3), now=10.0, timeouts=4) == [0, 1, 2, 3]
 
 
 def test_find_hung_prefers_a_rank_whose_heartbeat_stopped():
-    positions = {0: (5, 0, 2), 1: (5, 0, 2)}
-    assert find_hung(positions, {0: 0.0, 1: 0.0}, {0}, now=5.0, hang_timeout_s=3) == [1]
+    positions = {0: (5, 0, 2, 1, 0), 1: (5, 0, 2, 1, 0)}
+    assert find_hung(positions, {0: 0.0, 1: 0.0}, {0: 4.9, 1: 0.0}, now=5.0, timeouts=3) == [1]
+
+
+def test_of_silent_ranks_the_one_whose_heartbeat_stopped_first_is_hung():
+    positions = dict.fromkeys(range(3), (5, 0, 2, 1, 0))
+    changed = dict.fromkeys(range(3), 0.0)
+    # rank 2 stopped answering at 1.0, ranks 0 and 1 later (stuck behind it): rank 2 alone
+    assert find_hung(positions, changed, {0: 6.0, 1: 6.0, 2: 1.0}, now=10.0, timeouts=3) == [2]
+    # stopped within one heartbeat poll of each other: they cannot be told apart
+    assert find_hung(positions, changed, {0: 1.5, 1: 6.0, 2: 1.0}, now=10.0, timeouts=3, poll_s=1.0) == [0, 2]
 
 
 def test_find_hung_all_ranks_stuck_at_the_same_place():
-    positions = {0: (5, 0, 2), 1: (5, 0, 2)}
-    assert find_hung(positions, {0: 0.0, 1: 0.0}, {0, 1}, now=5.0, hang_timeout_s=3) == [0, 1]
+    """A deadlock, or a fault every rank shares: the same collective entered and left by none."""
+    positions = {0: (5, 0, 2, 3, 2), 1: (5, 0, 2, 3, 2)}
+    assert find_hung(positions, {0: 0.0, 1: 0.0}, answered(4.9, 0, 1), now=5.0, timeouts=3) == [0, 1]
+
+
+def test_a_ranks_first_step_in_a_world_has_its_own_deadline():
+    assert deadline({}, 4.0, 20.0) == 20.0  # no heartbeat yet, in a world's first round
+    assert deadline({"step": 5, "phase": "forward", "steps": 0}, 4.0, 20.0) == 20.0
+    assert deadline({"step": 6, "phase": "forward", "steps": 1}, 4.0, 20.0) == 4.0  # its first step is done
+    assert deadline({"step": 6, "phase": "forward", "steps": 0}, 4.0, None) == 4.0  # not a fresh rank
+    # Rank 0 in its first step stood still 10 s: within its 20 s; rank 1, past its first step, is hung.
+    same = (5, 0, 2, 1, 0)
+    timeouts = {0: deadline({"steps": 0}, 4.0, 20.0), 1: deadline({"steps": 3}, 4.0, 20.0)}
+    assert find_hung({0: (6, 0, 2, 1, 0), 1: same}, {0: 0.0, 1: 0.0}, answered(9.9, 0, 1), now=10.0,
+                     timeouts=timeouts) == [1]
+    assert find_hung({0: same, 1: same}, {0: 0.0, 1: 5.0}, answered(9.9, 0, 1), now=10.0, timeouts=timeouts) == []
+
+
+def test_a_hung_ranks_node_goes_with_it():
+    nodes = ["a", "a", "b", "b", None]
+    assert node_mates(0, nodes) == [1] and node_mates(3, nodes) == [2]
+    assert node_mates(4, nodes) == []  # a rank whose node is unknown: itself only
+    assert node_mates(0, ["a"]) == []
 
 
 def test_find_stragglers_uses_local_time_and_both_thresholds():

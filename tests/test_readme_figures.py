@@ -36,7 +36,7 @@ ALLOWED = {
     "75 MB": "object store size of tests/test_data_scale.py's cluster, a test setting",
     "500 MB": "dataset size of tests/test_data_scale.py, a test setting",
     "10%": "the data_stall event's threshold, a setting",
-    "60 s": "default of timeouts.capacity_wait_s, a setting",
+    "600 s": "default of timeouts.capacity_wait_s, a setting",
     "80%": "the memory tier's share of /dev/shm's room at most, a constant (airay/checkpoint/budget.py SHM_SHARE)",
     "3 MB": "the memory-tier budget of a run in tests/test_checkpoint_tiers.py, a test setting",
     "2.11": "torch version of the GPU run ('torch 2.13 (the suite, CPU) and 2.11 (CUDA ...)')",

@@ -1,4 +1,6 @@
-"""Pure parts of watching a run: the progress line, the ETA, the collective timer, token counts."""
+"""Pure parts of watching a run: the progress line, the ETA, the collective timer and counters, token counts."""
+
+import time
 
 import torch
 
@@ -41,3 +43,54 @@ def test_collective_time_is_counted_once_per_outermost_call():
         assert t.tolist() == [1.0] * 4
     finally:
         dist.destroy_process_group()
+
+
+def test_collective_calls_are_counted_once_and_an_action_runs_just_before_the_nth():
+    import torch.distributed as dist
+
+    commtime.install()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        seen = []
+        entered0, left0 = commtime.calls()
+        commtime.before_collective(2, lambda: seen.append(commtime.calls()))
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        assert seen == []
+        dist.distributed_c10d.all_reduce(t)  # the second call (the other namespace)
+        assert seen == [(entered0 + 1, left0 + 1)]  # before the 2nd: one entered and left
+        dist.all_reduce(t, async_op=True).wait()  # a wait is not another call
+        assert commtime.calls() == (entered0 + 3, left0 + 3)
+        assert not commtime.disarm()  # it ran once
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torchs_group_counters_are_read_for_this_worlds_groups_only():
+    """torch's flight recorder dump (no trace buffer) gives each process group's collective
+    counters; a world's are those of the groups made since it began (torch keeps old ones)."""
+    import torch.distributed as dist
+
+    from airay.worker.dist import collective_counts, group_status
+
+    for _ in range(2):  # the second world: the first one's group is still in torch's status
+        old = frozenset(group_status("gloo") or ())
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        try:
+            t = torch.ones(2)
+            dist.all_reduce(t)
+            dist.all_reduce(t)
+            status = group_status("gloo")
+            assert status is not None and len(status) == len(old) + 1  # torch 2.13 has the dump for gloo
+            # gloo's work thread records a completion a moment after the caller returns
+            deadline = time.time() + 5
+            while collective_counts(group_status("gloo"), old)[0] < 2 and time.time() < deadline:
+                time.sleep(0.01)
+            assert collective_counts(group_status("gloo"), old) == [2, -1, 2]  # gloo records no device start
+        finally:
+            dist.destroy_process_group()
+    assert collective_counts(None, frozenset()) is None
+    two = {"0": {"last_completed_collective": 3, "last_started_collective": 4, "last_enqueued_collective": 5},
+           "1": {"last_completed_collective": 1, "last_started_collective": 1, "last_enqueued_collective": 2}}
+    assert collective_counts(two, frozenset()) == [4, 5, 7]
+    assert collective_counts(two, frozenset({"0"})) == [1, 1, 2]

@@ -22,8 +22,8 @@ from airay.events import process_start_ts
 from airay.policy import BatchPlan
 from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_globals
 from airay.worker.device import assign_device
-from airay.worker.dist import NCCL_ENV, abort_nccl_groups, listen_socket, rendezvous_store, reset_group_count, \
-    shutdown_sockets, tcp_socket_fds
+from airay.worker.dist import NCCL_ENV, abort_nccl_groups, collective_counts, group_status, listen_socket, \
+    rendezvous_store, reset_group_count, shutdown_sockets, tcp_socket_fds
 from airay.worker.failures import UserCodeError, describe, failure_kind, named
 from airay.worker.build import build_model, hf_zero3, partitioned
 from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
@@ -89,9 +89,12 @@ class TrainWorker:
         self._joining_port: int | None = None  # the rendezvous port while a join is in it
         self._aborted_port: int | None = None  # a rendezvous the driver aborted (abort_world)
         self._listening = None  # the socket of free_port, for the world this rank will be rank 0 of
-        # Where the step loop is (step, micro-batch, phase); read by `heartbeat` from the control
-        # thread, so it answers while the training thread is stuck in a collective or user code.
-        self._progress: dict[str, Any] = {"step": -1, "micro": -1, "phase": "start"}
+        # Where the step loop is (step, micro-batch, phase, and the collective calls made before
+        # it got there: see heartbeat); read by `heartbeat` from the control thread, so it
+        # answers while the training thread is stuck in a collective or user code.
+        self._progress: dict[str, Any] = {"step": -1, "micro": -1, "phase": "start", "calls": (0, 0)}
+        self._world_steps = 0  # steps completed in the world this rank is in
+        self._old_groups: frozenset[str] = frozenset()  # process groups made before this world (group_status)
         for key, value in NCCL_ENV.items():  # read when a process group is made (airay.worker.dist)
             os.environ.setdefault(key, value)
         torch.set_num_threads(1)  # one CPU per worker bundle: don't oversubscribe the node
@@ -208,6 +211,8 @@ class TrainWorker:
         store = rendezvous_store(master_addr, master_port, world_size, timeout, listening,
                                  aborted=lambda: self._aborted_port == master_port)
         reset_group_count()
+        self._old_groups = frozenset(group_status(self.backend) or ())
+        self._world_steps = 0
         tdist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         # DeepSpeed wraps the process group made above (it makes none when torch has one).
         deepspeed.init_distributed(dist_backend=self.backend, auto_mpi_discovery=False, verbose=False,
@@ -276,8 +281,20 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control")
     def heartbeat(self) -> dict[str, Any]:
-        """The step loop's progress, answered from the control thread (see WorkerGroup._gather)."""
-        return self._progress
+        """The step loop's progress, answered from the control thread (see WorkerGroup._gather):
+        step, micro-batch and phase; `collectives`: [entered, left] collective calls since the
+        phase began (every rank of a data-parallel world makes the same calls, so a rank that
+        has entered fewer is the one its peers wait for: airay.health.position); `groups`: torch's
+        own counters of this world's process groups, where torch has them (dist.collective_counts);
+        `steps`: steps completed in this world (the first gets timeouts.first_step_timeout_s)."""
+        p = self._progress
+        entered, left = commtime.calls()
+        beat = {"step": p["step"], "micro": p["micro"], "phase": p["phase"],
+                "collectives": [entered - p["calls"][0], left - p["calls"][1]], "steps": self._world_steps}
+        groups = collective_counts(group_status(self.backend), self._old_groups) if self.rank is not None else None
+        if groups is not None:
+            beat["groups"] = groups
+        return beat
 
     def leave(self) -> None:
         """Drop the engine and the process group; safe to call when in neither."""
@@ -497,6 +514,7 @@ class TrainWorker:
             for step in range(start, end):
                 out.append(self._step(step, (faults or {}).get(step)))
         except BaseException as exc:
+            commtime.disarm()  # a stall_collective armed in the failed step must not strike in the next world
             # A peer died mid-collective, or our own code failed: shutting our world's sockets
             # down makes ranks still blocked on us fail fast instead of waiting for a timeout.
             shutdown_sockets(self._world_sockets)
@@ -510,7 +528,7 @@ class TrainWorker:
         return out
 
     def _at(self, step: int, micro: int, phase: str) -> None:
-        self._progress = {"step": step, "micro": micro, "phase": phase}
+        self._progress = {"step": step, "micro": micro, "phase": phase, "calls": commtime.calls()}
 
     def _enter(self, phase: str, step: int, fault: dict | None, rank: int | None = None) -> None:
         """A join, save or load begins: mark it for the driver's hang watch and strike its chaos.
@@ -542,9 +560,12 @@ class TrainWorker:
             backward_micro_batch(self.engine, loss, samples, self.plan)
             if samples:
                 loss_sum += loss.detach().float() * samples
+        if fault is not None:
+            chaos.step_done(fault)
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
         self._at(step, len(batches), "done")
+        self._world_steps += 1
         real = [b for b, n in zip(batches, sizes) if n]
         step_time = time.perf_counter() - t0
         comm = commtime.seconds() - comm0

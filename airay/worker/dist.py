@@ -72,6 +72,45 @@ def reset_group_count() -> None:
         c10d._world.group_count = 0
 
 
+def group_status(backend: str) -> dict[str, dict] | None:
+    """torch's collective counters of every process group this process has made, by group id:
+    {"last_enqueued_collective", "last_started_collective", "last_completed_collective"}, from
+    the flight recorder's dump without its entries (it needs no TORCH_FR_BUFFER_SIZE; about 5 us
+    on gloo, torch 2.13). None where this torch has no such dump.
+
+    NCCL's come from the CUDA build's own recorder, read only with TORCH_NCCL_ENABLE_TIMING=1:
+    only then does NCCL record when a collective started on the device, which tells a rank
+    whose GPU never reached collective k from its peers waiting inside it (its "completed" is
+    what NCCL's watchdog saw finish; the host's calls, airay.commtime, return once queued).
+    NOT VERIFIED ON A GPU (none was at hand): that the dump answers promptly from the heartbeat
+    thread while a device is stuck, and what it reports then, are for the first GPU check."""
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    if backend == "nccl" and os.environ.get("TORCH_NCCL_ENABLE_TIMING") != "1":
+        return None
+    dump = getattr(c10d, "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace", None)
+    if dump is None:
+        return None
+    try:
+        return pickle.loads(dump(includeCollectives=False, includeStackTraces=False))["pg_status"]
+    except Exception:  # a debug interface: its absence or change must never fail a heartbeat
+        return None
+
+
+def collective_counts(status: dict[str, dict] | None, old: frozenset[str]) -> list[int] | None:
+    """[completed, started, enqueued] collectives summed over the groups of `status` not in
+    `old` (the groups that existed before this world: torch keeps destroyed groups' counters).
+    Every group of a data-parallel world holds every rank, so the sums of two ranks of one
+    world compare: the rank with fewer is behind. None without a status."""
+    if status is None:
+        return None
+    keys = ("last_completed_collective", "last_started_collective", "last_enqueued_collective")
+    groups = [g for pg, g in status.items() if pg not in old]
+    return [sum(int(g.get(k, -1)) for g in groups) for k in keys]
+
+
 def tcp_socket_fds(port: int | None = None) -> dict[int, int]:
     """{fd: inode} of this process's connected TCP sockets (listeners are left out: gloo's
     listener thread aborts the process if its socket is shut down under it); with `port`, only

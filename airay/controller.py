@@ -645,11 +645,13 @@ class Controller:
         """Report (once per rank and world) a rank whose own work per step is much slower."""
         h = self.cfg.health
         local = [[v["local_s"] for v in per_rank] for per_rank in values]
-        for rank in find_stragglers(local, h.straggler_factor, h.straggler_min_excess_s):
-            if rank in self.stragglers:
-                continue
+        new = [r for r in find_stragglers(local, h.straggler_factor, h.straggler_min_excess_s)
+               if r not in self.stragglers]
+        if not new:
+            return
+        medians = sorted(sorted(ts)[len(ts) // 2] for ts in local)  # once, however many ranks straggle
+        for rank in new:
             self.stragglers.add(rank)
-            medians = sorted(sorted(ts)[len(ts) // 2] for ts in local)
             self.rec.event("straggler_detected", step=start, rank=rank, node_id=self.group.member(rank).node_id,
                            local_s=sorted(local[rank])[len(local[rank]) // 2], median_local_s=medians[len(medians) // 2])
 

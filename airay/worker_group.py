@@ -407,61 +407,35 @@ class WorkerGroup:
         ranks still silent then are counted as lost (`abort_port`: the rendezvous of a world still
         forming, whose store connections are shut down instead). With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
         that makes no progress that long (airay.health.find_hung) is killed as hung."""
-        by_ref = {ref: rank for rank, ref in enumerate(refs) if ref is not None}
-        outcomes: dict[int, RankOutcome] = {r: RankOutcome(r, "ok") for r, ref in enumerate(refs) if ref is None}
-        values: list = [None] * len(refs)
         deadline = None
         watch = _HangWatch(len(refs), hang_timeout_s) if hang_timeout_s else None
         if broken:
             # `broken`: the calls' world already failed (settle). Wake them now; this failure was
             # detected and its hangs described by the gather that saw it: those stay as they are.
             deadline, watch = time.time() + self.drain_s, None
-            for ref, rank in by_ref.items():
-                self.active[rank].actor.abort_world.remote(abort_port)
+            for rank, ref in enumerate(refs):
+                if ref is not None:
+                    self.active[rank].actor.abort_world.remote(abort_port)
         else:
             self.hangs = []
-        while by_ref:
-            timeout = (watch.poll_s if watch else 1.0) if deadline is None else max(0.0, deadline - time.time())
-            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
-            for ref in ready:
-                rank = by_ref.pop(ref)
-                try:
-                    values[rank] = ray.get(ref)
-                    outcomes[rank] = RankOutcome(rank, "ok")
-                except ray.exceptions.RayActorError as exc:
-                    outcomes[rank] = RankOutcome(rank, "died", error=str(exc).splitlines()[0],
-                                                 cause=type(exc).__name__)
-                except ray.exceptions.RayTaskError as exc:
-                    cause = getattr(exc, "cause", None)
-                    # str(MemoryError()) is empty: name the exception too, except our own wrapper.
-                    error = str(cause) if isinstance(cause, UserCodeError) \
-                        else f"{type(cause or exc).__name__}: {cause or exc}"
-                    outcomes[rank] = RankOutcome(rank, "errored", error=error,
-                                                 user_error=isinstance(cause, UserCodeError),
-                                                 cause=type(cause).__name__ if cause is not None else "",
-                                                 step=getattr(cause, "step", None))
-                except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost
-                    outcomes[rank] = RankOutcome(rank, "errored", error=str(exc).splitlines()[0],
-                                                 cause=type(exc).__name__)
-            if watch is not None and deadline is None and by_ref:
-                running = set(by_ref.values())
-                for rank in watch.poll([self.active[r].actor for r in range(len(refs))], running):
-                    by_ref.pop(refs[rank])
-                    self.hangs.append(watch.describe(rank))
-                    outcomes[rank] = RankOutcome(rank, "hung", error=self.hangs[-1]["reason"])
-                    # A hung process cannot be asked to stop; SIGKILL through Ray is the only way.
-                    ray.kill(self.active[rank].actor, no_restart=True)
-            if deadline is None and any(o.kind != "ok" for o in outcomes.values()):
-                self.first_failure_ts = time.time()
-                deadline = self.first_failure_ts + self.drain_s
-                # The world is broken: wake every rank still inside a collective.
-                for ref, rank in by_ref.items() if collective else ():
-                    self.active[rank].actor.abort_world.remote(abort_port)
-            if deadline is not None and time.time() >= deadline:
-                break
-        for ref, rank in by_ref.items():
-            outcomes[rank] = RankOutcome(rank, "silent", error=f"no answer {self.drain_s:.0f}s after a peer failed")
-        return [outcomes[r] for r in range(len(refs))], values
+
+        def hung(running: set[int]) -> dict[int, RankOutcome]:
+            found = {}
+            for rank in watch.poll([self.active[r].actor for r in range(len(refs))], running):
+                self.hangs.append(watch.describe(rank))
+                found[rank] = RankOutcome(rank, "hung", error=self.hangs[-1]["reason"])
+                # A hung process cannot be asked to stop; SIGKILL through Ray is the only way.
+                ray.kill(self.active[rank].actor, no_restart=True)
+            return found
+
+        def failed(running: list[int]) -> None:
+            self.first_failure_ts = time.time()
+            # The world is broken: wake every rank still inside a collective.
+            for rank in running if collective else ():
+                self.active[rank].actor.abort_world.remote(abort_port)
+
+        return gather_calls(refs, ray.wait, _outcome_of, self.drain_s, poll_s=watch.poll_s if watch else 1.0,
+                            hung=hung if watch else None, failed=failed, deadline=deadline)
 
     def export(self, step_dir: str, out_dir: str, factory: str, model_kwargs: dict, seed: int,
                timeout_s: float) -> str:
@@ -538,6 +512,79 @@ class WorkerGroup:
             if all(table.get(i, {}).get("state", "REMOVED") == "REMOVED" for i in pg_ids):
                 break
             time.sleep(0.1)
+
+
+def gather_calls(refs: list, wait, outcome_of, drain_s: float, poll_s: float = 1.0, hung=None, failed=None,
+                 deadline: float | None = None, clock=time.time) -> tuple[list[RankOutcome], list]:
+    """Wait for one call per rank (None: no call, that rank is ok): each rank's outcome and value.
+
+    In batches: one wait blocks until some call is done (or the next hang poll, or the drain
+    deadline), one more takes every call that is done by then, and the batch is handled at once:
+    the ranks of a round leave their last collective together, so a round of any world size is a
+    few waits, not one per rank (each wait is O(calls left)). `hung(running ranks) -> {rank:
+    outcome}` is polled at most once per `poll_s` until a failure; `failed(running ranks)` is
+    told once, at the first failure (a rank not ok, hung included), and the rest then get
+    `drain_s` (by `deadline`, when given, from the start) before they are counted silent.
+    `wait` has ray.wait's signature, `outcome_of(rank, ref)` gives a done call's (outcome,
+    value), `clock` is time.time: unit tests pass their own (tests/test_gather.py)."""
+    by_ref = {ref: rank for rank, ref in enumerate(refs) if ref is not None}
+    outcomes: dict[int, RankOutcome] = {r: RankOutcome(r, "ok") for r, ref in enumerate(refs) if ref is None}
+    values: list = [None] * len(refs)
+    next_poll = clock() + poll_s
+    while by_ref:
+        now = clock()
+        if deadline is not None:
+            timeout = max(0.0, deadline - now)
+        else:
+            timeout = max(0.0, next_poll - now) if hung is not None else poll_s
+        pending = list(by_ref)
+        ready, _ = wait(pending, num_returns=1, timeout=timeout)
+        if ready and len(pending) > 1:
+            ready, _ = wait(pending, num_returns=len(pending), timeout=0)
+        failure = False
+        for ref in ready:
+            rank = by_ref.pop(ref)
+            outcomes[rank], values[rank] = outcome_of(rank, ref)
+            failure = failure or outcomes[rank].kind != "ok"
+        if hung is not None and deadline is None and by_ref and clock() >= next_poll:
+            next_poll = clock() + poll_s
+            for rank, outcome in hung(set(by_ref.values())).items():
+                by_ref.pop(refs[rank])
+                outcomes[rank] = outcome
+                failure = True
+        if deadline is None and failure:
+            if failed is not None:
+                failed(sorted(by_ref.values()))
+            deadline = clock() + drain_s
+        if deadline is not None and clock() >= deadline:
+            break
+    for ref, rank in by_ref.items():
+        outcomes[rank] = RankOutcome(rank, "silent", error=f"no answer {drain_s:.0f}s after a peer failed")
+    return [outcomes[r] for r in range(len(refs))], values
+
+
+def _outcome_of(rank: int, ref) -> tuple[RankOutcome, Any]:
+    """A done call's outcome, and its value when it succeeded."""
+    value = None
+    try:
+        value = ray.get(ref)
+        outcome = RankOutcome(rank, "ok")
+    except ray.exceptions.RayActorError as exc:
+        outcome = RankOutcome(rank, "died", error=str(exc).splitlines()[0],
+                              cause=type(exc).__name__)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        # str(MemoryError()) is empty: name the exception too, except our own wrapper.
+        error = str(cause) if isinstance(cause, UserCodeError) \
+            else f"{type(cause or exc).__name__}: {cause or exc}"
+        outcome = RankOutcome(rank, "errored", error=error,
+                              user_error=isinstance(cause, UserCodeError),
+                              cause=type(cause).__name__ if cause is not None else "",
+                              step=getattr(cause, "step", None))
+    except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost
+        outcome = RankOutcome(rank, "errored", error=str(exc).splitlines()[0],
+                              cause=type(exc).__name__)
+    return outcome, value
 
 
 def world_members(active: list, standby: list, world_size: int) -> tuple[list, list]:

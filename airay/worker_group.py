@@ -163,7 +163,8 @@ class WorkerGroup:
         """Record a committed step's manifest on every node (a node that fails to is skipped:
         whether its copies are usable is decided when a load needs them)."""
         stores = self._live_stores()
-        refs = [s.commit.remote(step, manifest_json) for s in stores.values()]
+        manifest = ray.put(manifest_json)  # one copy for every node (it lists every rank's files)
+        refs = [s.commit.remote(step, manifest) for s in stores.values()]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def prune_memory(self, keep: list[int], also_drop: list[int] = (), timeout_s: float = 60.0) -> None:
@@ -183,20 +184,25 @@ class WorkerGroup:
             except (ray.exceptions.RayError, TimeoutError):
                 continue  # its node is going: its copies do not count
         manifests: dict[int, Manifest] = {}
-        for catalog in catalogs.values():
-            for step, entry in catalog.items():
-                if entry["manifest"] and step not in manifests:
-                    try:
-                        manifest = Manifest.from_json(entry["manifest"])
-                    except ValueError:
-                        continue
-                    if manifest.job.get("id") == job["id"]:
-                        manifests[step] = manifest
+        for step in sorted({step for cat in catalogs.values() for step, entry in cat.items() if entry["manifest"]}):
+            # Every node holds the same manifest: one node's text is read (it lists every rank's
+            # files, so one from each node would be O(world x nodes) bytes), the next one's if
+            # that is unreadable or another job's.
+            for node in [node for node, cat in catalogs.items() if cat.get(step, {}).get("manifest")]:
+                try:
+                    manifest = Manifest.from_json(ray.get(stores[node].manifest.remote(step), timeout=timeout_s))
+                except (ray.exceptions.RayError, TimeoutError, ValueError, TypeError):
+                    continue
+                if manifest.job.get("id") == job["id"]:
+                    manifests[step] = manifest
+                    break
         out = []
         for step, manifest in manifests.items():
-            holders = {name: [node for node, cat in catalogs.items()
-                              if cat.get(step, {}).get("files", {}).get(name) == f.size]
-                       for name, f in manifest.files.items()}
+            holders: dict[str, list[str]] = {name: [] for name in manifest.files}
+            for node, cat in catalogs.items():  # each file a node holds at its size: O(files held)
+                for name, size in cat.get(step, {}).get("files", {}).items():
+                    if name in holders and manifest.files[name].size == size:
+                        holders[name].append(node)
             if all(holders.values()):
                 out.append(CheckpointInfo(step, manifest.world_size, manifest.bytes, "memory",
                                           f"memory:{step_name(step)}", manifest.created, manifest=manifest,
@@ -387,8 +393,10 @@ class WorkerGroup:
         self.ensure_stores()
         peers = {name: [(node, self.stores[node]) for node in nodes if node in self.stores]
                  for name, nodes in ckpt.holders.items()}
-        spec = {"step": ckpt.step, "manifest": ckpt.manifest.to_json(), "memory_base": self.memory_base,
-                "peers": peers, "durable": durable}
+        # One copy in the object store for every rank (the manifest and the stores' handles are
+        # O(world): a copy per call would be O(world^2) bytes); Ray hands each call the value.
+        spec = ray.put({"step": ckpt.step, "manifest": ckpt.manifest.to_json(), "memory_base": self.memory_base,
+                        "peers": peers, "durable": durable})
         outcomes, values = self._gather([m.actor.prepare_load.remote(spec) for m in self.active],
                                         self.phase_timeout_s, collective=False)
         if any(o.kind != "ok" for o in outcomes):

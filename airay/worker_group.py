@@ -278,10 +278,10 @@ class WorkerGroup:
         if not self.pending:
             return []
         refs = [m.ready_ref for m in self.pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        newly = []
-        for m in [m for m in self.pending if m.ready_ref in ready]:
-            self.pending.remove(m)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])  # a set: O(1) lookups
+        newly, up = [], [m for m in self.pending if m.ready_ref in ready]
+        self.pending = [m for m in self.pending if m.ready_ref not in ready]
+        for m in up:
             try:
                 m.info = ray.get(m.ready_ref)
             except ray.exceptions.RayActorError as exc:
@@ -644,7 +644,7 @@ class _HangWatch:
         """Collect answered heartbeats, ask again, return the ranks to declare hung."""
         now = time.time()
         if self.inflight:
-            ready, _ = ray.wait(list(self.inflight.values()), num_returns=len(self.inflight), timeout=0)
+            ready = set(ray.wait(list(self.inflight.values()), num_returns=len(self.inflight), timeout=0)[0])
             for rank, ref in list(self.inflight.items()):
                 if ref not in ready:
                     continue

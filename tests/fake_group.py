@@ -118,15 +118,16 @@ class FakeGroup:
                                                                             "pid": 1000 + i}))
 
     def poll_pending(self, timeout_s: float = 0.0) -> list[FakeMember]:
-        newly = []
-        for m in list(self.pending):
+        newly, waiting = [], []
+        for m in self.pending:
             if m.polls_left > 0:
                 m.polls_left -= 1
+                waiting.append(m)
                 continue
-            self.pending.remove(m)
             m.ready_ts = time.time()
             self.standby.append(m)
             newly.append(m)
+        self.pending = waiting
         return newly
 
     def wait_for_standby(self, n: int, timeout_s: float) -> bool:

@@ -8,6 +8,7 @@ them. Decisions come from airay.policy and airay.health; actors live in airay.wo
 from __future__ import annotations
 
 import enum
+import gc
 import sys
 import time
 import traceback
@@ -178,6 +179,13 @@ class Controller:
         spans = goodput.run_spans(self.earlier_events, []) if restart else []
         self.t_start = spans[-1][0] if spans else goodput.run_start(started)
         error = None
+        # The driver's heap is mostly what its imports made (Ray ~75,000 objects, with torch, which
+        # the spec's model factory imports, ~210,000) and each full collection scans all of it:
+        # ~120 ms, every few rounds at 4,096 ranks, whose step records are many young objects
+        # (benchmarks/driver_scale.py). Frozen for the run, collections scan only what the run
+        # made; collectable again after it.
+        gc.collect()
+        gc.freeze()
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):
                 self.state = {State.STARTING: self._starting, State.RUNNING: self._running,
@@ -204,6 +212,7 @@ class Controller:
                 self.group.shutdown()
             self.chaos.close()
             self.telemetry.close()
+            gc.unfreeze()
         return self._result(error)
 
     # ---- states ----------------------------------------------------------------------------

@@ -183,8 +183,8 @@ class Controller:
         # the spec's model factory imports, ~210,000) and each full collection scans all of it:
         # ~120 ms, every few rounds at 4,096 ranks, whose step records are many young objects
         # (benchmarks/driver_scale.py). Frozen for the run, collections scan only what the run
-        # made; collectable again after it.
-        gc.collect()
+        # made; collectable again after it (no collection first: it would cost start-up ~0.1 s,
+        # and garbage frozen with the heap is collected after the run).
         gc.freeze()
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):

@@ -466,8 +466,9 @@ class WorkerGroup:
     def drop(self, ranks: list[int]) -> None:
         """Remove lost ranks from the world, kill what is left of them, start replacements in
         their bundles (not on excluded nodes: their capacity is found elsewhere by `reserve`)."""
-        for m in [self.active[r] for r in ranks]:
-            self.active.remove(m)
+        lost = set(ranks)
+        gone, self.active = [self.active[r] for r in ranks], [m for r, m in enumerate(self.active) if r not in lost]
+        for m in gone:
             ray.kill(m.actor, no_restart=True)
             if m.node_id not in self.excluded:
                 self._start(m.pg, m.bundle_index)
@@ -604,8 +605,8 @@ def world_members(active: list, standby: list, world_size: int) -> tuple[list, l
     joining = standby[:max(0, world_size - len(active))]
     active, standby = list(active) + joining, standby[len(joining):]
     if len(active) > world_size:
-        idle = policy.ranks_to_idle([m.node_id for m in active], world_size)
-        standby += [active[r] for r in idle]
+        idle = set(policy.ranks_to_idle([m.node_id for m in active], world_size))
+        standby += [m for r, m in enumerate(active) if r in idle]
         active = [m for r, m in enumerate(active) if r not in idle]
     return active, standby
 

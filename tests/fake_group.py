@@ -292,8 +292,9 @@ class FakeGroup:
     # ---- losing and replacing workers --------------------------------------------------------
 
     def drop(self, ranks: list[int]) -> None:
-        for m in [self.active[r] for r in ranks]:
-            self.active.remove(m)
+        lost = set(ranks)
+        self.active = [m for r, m in enumerate(self.active) if r not in lost]
+        for _ in ranks:
             self._start()  # its replacement, in its bundle
 
     def exclude(self, node_id: str) -> list[int]:

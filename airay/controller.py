@@ -8,6 +8,7 @@ them. Decisions come from airay.policy and airay.health; actors live in airay.wo
 from __future__ import annotations
 
 import enum
+import gc
 import sys
 import time
 import traceback
@@ -185,6 +186,13 @@ class Controller:
         spans = goodput.run_spans(self.earlier_events, []) if restart else []
         self.t_start = spans[-1][0] if spans else goodput.run_start(started)
         error = None
+        # The driver's heap is mostly what its imports made (Ray ~75,000 objects, with torch, which
+        # the spec's model factory imports, ~210,000) and each full collection scans all of it:
+        # ~120 ms, every few rounds at 4,096 ranks, whose step records are many young objects
+        # (benchmarks/driver_scale.py). Frozen for the run, collections scan only what the run
+        # made; collectable again after it (no collection first: it would cost start-up ~0.1 s,
+        # and garbage frozen with the heap is collected after the run).
+        gc.freeze()
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):
                 self.state = {State.STARTING: self._starting, State.RUNNING: self._running,
@@ -211,6 +219,7 @@ class Controller:
                 self.group.shutdown()
             self.chaos.close()
             self.telemetry.close()
+            gc.unfreeze()
         return self._result(error)
 
     # ---- states ----------------------------------------------------------------------------
@@ -707,11 +716,13 @@ class Controller:
         """Report (once per rank and world) a rank whose own work per step is much slower."""
         h = self.cfg.health
         local = [[v["local_s"] for v in per_rank] for per_rank in values]
-        for rank in find_stragglers(local, h.straggler_factor, h.straggler_min_excess_s):
-            if rank in self.stragglers:
-                continue
+        new = [r for r in find_stragglers(local, h.straggler_factor, h.straggler_min_excess_s)
+               if r not in self.stragglers]
+        if not new:
+            return
+        medians = sorted(sorted(ts)[len(ts) // 2] for ts in local)  # once, however many ranks straggle
+        for rank in new:
             self.stragglers.add(rank)
-            medians = sorted(sorted(ts)[len(ts) // 2] for ts in local)
             self.rec.event("straggler_detected", step=start, rank=rank, node_id=self.group.member(rank).node_id,
                            local_s=sorted(local[rank])[len(local[rank]) // 2], median_local_s=medians[len(medians) // 2])
 

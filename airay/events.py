@@ -37,9 +37,7 @@ class RunRecorder:
         record.update(fields)
         self._events.write(json.dumps(record) + "\n")
         if self.echo:
-            detail = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
-            print(f"[airay] {type_}" + (f" step={step}" if step is not None else "") + (f" {detail}" if detail else ""),
-                  flush=True)
+            print(console_line(type_, step, fields), flush=True)
         return record
 
     def metric(self, **fields: Any) -> None:
@@ -62,10 +60,44 @@ class RunRecorder:
         self._metrics.close()
 
 
-def _short(v: Any) -> str:
+# The console shows each event on a line a person reads, whatever the world size (events.jsonl
+# keeps the whole record): a list shows its first CONSOLE_ITEMS items and how many more, a dict
+# its first CONSOLE_KEYS entries, a collection nested deeper than CONSOLE_DEPTH its size, a
+# line of text its first CONSOLE_TEXT characters; workers (dicts with a node_id) are counted.
+CONSOLE_ITEMS, CONSOLE_KEYS, CONSOLE_DEPTH, CONSOLE_TEXT = 3, 8, 2, 300
+
+
+def console_line(type_: str, step: int | None, fields: dict[str, Any]) -> str:
+    """An event as the console shows it: `[airay] TYPE step=S key=value ...`, of bounded length."""
+    detail = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+    return f"[airay] {type_}" + (f" step={step}" if step is not None else "") + (f" {detail}" if detail else "")
+
+
+def _short(v: Any, depth: int = 0) -> str:
     if isinstance(v, float):
         return f"{v:.3f}"
-    return str(v)
+    if isinstance(v, str):
+        text = "\n".join(line if len(line) <= CONSOLE_TEXT else f"{line[:CONSOLE_TEXT]}... (+{len(line) - CONSOLE_TEXT} "
+                         "chars)" for line in v.split("\n"))
+        return text if depth == 0 else repr(text)
+    if isinstance(v, dict):
+        if depth >= CONSOLE_DEPTH:
+            return f"{{{len(v)} keys}}"
+        shown = [f"{k!r}: {_short(x, depth + 1)}" for k, x in list(v.items())[:CONSOLE_KEYS]]
+        return "{" + ", ".join(shown + _more(len(v), CONSOLE_KEYS)) + "}"
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = list(v)
+        if items and all(isinstance(i, dict) and "node_id" in i for i in items):
+            return f"{len(items)} on {len({i['node_id'] for i in items})} node(s)"
+        if depth >= CONSOLE_DEPTH:
+            return f"[{len(items)} items]"
+        shown = [_short(x, depth + 1) for x in items[:CONSOLE_ITEMS]]
+        return "[" + ", ".join(shown + _more(len(items), CONSOLE_ITEMS)) + "]"
+    return _short(str(v), depth) if depth == 0 else repr(v)
+
+
+def _more(n: int, shown: int) -> list[str]:
+    return [f"(+{n - shown} more)"] if n > shown else []
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -164,7 +164,8 @@ class WorkerGroup:
         """Record a committed step's manifest on every node (a node that fails to is skipped:
         whether its copies are usable is decided when a load needs them)."""
         stores = self._live_stores()
-        refs = [s.commit.remote(step, manifest_json) for s in stores.values()]
+        manifest = ray.put(manifest_json)  # one copy for every node (it lists every rank's files)
+        refs = [s.commit.remote(step, manifest) for s in stores.values()]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def prune_memory(self, keep: list[int], also_drop: list[int] = (), timeout_s: float = 60.0) -> None:
@@ -192,20 +193,25 @@ class WorkerGroup:
             if len(catalogs) == len(stores):
                 break
         manifests: dict[int, Manifest] = {}
-        for catalog in catalogs.values():
-            for step, entry in catalog.items():
-                if entry["manifest"] and step not in manifests:
-                    try:
-                        manifest = Manifest.from_json(entry["manifest"])
-                    except ValueError:
-                        continue
-                    if manifest.job.get("id") == job["id"]:
-                        manifests[step] = manifest
+        for step in sorted({step for cat in catalogs.values() for step, entry in cat.items() if entry["manifest"]}):
+            # Every node holds the same manifest: one node's text is read (it lists every rank's
+            # files, so one from each node would be O(world x nodes) bytes), the next one's if
+            # that is unreadable or another job's.
+            for node in [node for node, cat in catalogs.items() if cat.get(step, {}).get("manifest")]:
+                try:
+                    manifest = Manifest.from_json(ray.get(stores[node].manifest.remote(step), timeout=timeout_s))
+                except (ray.exceptions.RayError, TimeoutError, ValueError, TypeError):
+                    continue
+                if manifest.job.get("id") == job["id"]:
+                    manifests[step] = manifest
+                    break
         out = []
         for step, manifest in manifests.items():
-            holders = {name: [node for node, cat in catalogs.items()
-                              if cat.get(step, {}).get("files", {}).get(name) == f.size]
-                       for name, f in manifest.files.items()}
+            holders: dict[str, list[str]] = {name: [] for name in manifest.files}
+            for node, cat in catalogs.items():  # each file a node holds at its size: O(files held)
+                for name, size in cat.get(step, {}).get("files", {}).items():
+                    if name in holders and manifest.files[name].size == size:
+                        holders[name].append(node)
             if all(holders.values()):
                 out.append(CheckpointInfo(step, manifest.world_size, manifest.bytes, "memory",
                                           f"memory:{step_name(step)}", manifest.created, manifest=manifest,
@@ -294,10 +300,10 @@ class WorkerGroup:
         if not self.pending:
             return []
         refs = [m.ready_ref for m in self.pending]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        newly = []
-        for m in [m for m in self.pending if m.ready_ref in ready]:
-            self.pending.remove(m)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])  # a set: O(1) lookups
+        newly, up = [], [m for m in self.pending if m.ready_ref in ready]
+        self.pending = [m for m in self.pending if m.ready_ref not in ready]
+        for m in up:
             try:
                 m.info = ray.get(m.ready_ref)
             except ray.exceptions.RayActorError as exc:
@@ -416,8 +422,10 @@ class WorkerGroup:
         self.ensure_stores()
         peers = {name: [(node, self.stores[node]) for node in nodes if node in self.stores]
                  for name, nodes in ckpt.holders.items()}
-        spec = {"step": ckpt.step, "manifest": ckpt.manifest.to_json(), "memory_base": self.memory_base,
-                "peers": peers, "durable": durable}
+        # One copy in the object store for every rank (the manifest and the stores' handles are
+        # O(world): a copy per call would be O(world^2) bytes); Ray hands each call the value.
+        spec = ray.put({"step": ckpt.step, "manifest": ckpt.manifest.to_json(), "memory_base": self.memory_base,
+                        "peers": peers, "durable": durable})
         outcomes, values = self._gather([m.actor.prepare_load.remote(spec) for m in self.active],
                                         self.phase_timeout_s, collective=False)
         if any(o.kind != "ok" for o in outcomes):
@@ -437,61 +445,35 @@ class WorkerGroup:
         forming, whose store connections are shut down instead). With `hang_timeout_s`, ranks' heartbeats are polled meanwhile and a rank
         that makes no progress that long (airay.health.find_hung; `first_step`: longer deadlines of
         ranks in their world's first step) is killed as hung."""
-        by_ref = {ref: rank for rank, ref in enumerate(refs) if ref is not None}
-        outcomes: dict[int, RankOutcome] = {r: RankOutcome(r, "ok") for r, ref in enumerate(refs) if ref is None}
-        values: list = [None] * len(refs)
         deadline = None
         watch = _HangWatch(len(refs), hang_timeout_s, first_step) if hang_timeout_s else None
         if broken:
             # `broken`: the calls' world already failed (settle). Wake them now; this failure was
             # detected and its hangs described by the gather that saw it: those stay as they are.
             deadline, watch = time.time() + self.drain_s, None
-            for ref, rank in by_ref.items():
-                self.active[rank].actor.abort_world.remote(abort_port)
+            for rank, ref in enumerate(refs):
+                if ref is not None:
+                    self.active[rank].actor.abort_world.remote(abort_port)
         else:
             self.hangs = []
-        while by_ref:
-            timeout = (watch.poll_s if watch else 1.0) if deadline is None else max(0.0, deadline - time.time())
-            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout)
-            for ref in ready:
-                rank = by_ref.pop(ref)
-                try:
-                    values[rank] = ray.get(ref)
-                    outcomes[rank] = RankOutcome(rank, "ok")
-                except ray.exceptions.RayActorError as exc:
-                    outcomes[rank] = actor_died(rank, type(exc).__name__, str(exc))
-                except ray.exceptions.RayTaskError as exc:
-                    cause = getattr(exc, "cause", None)
-                    # str(MemoryError()) is empty: name the exception too, except the worker's
-                    # named ones (airay.worker.failures), which say their rank, name and traceback.
-                    error = str(cause) if isinstance(cause, RankError) \
-                        else f"{type(cause or exc).__name__}: {cause or exc}"
-                    outcomes[rank] = RankOutcome(rank, "errored", error=error,
-                                                 user_error=isinstance(cause, UserCodeError),
-                                                 cause=type(cause).__name__ if cause is not None else "",
-                                                 step=getattr(cause, "step", None))
-                except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost
-                    outcomes[rank] = RankOutcome(rank, "errored", error=str(exc).splitlines()[0],
-                                                 cause=type(exc).__name__)
-            if watch is not None and deadline is None and by_ref:
-                running = set(by_ref.values())
-                for rank in watch.poll([self.active[r].actor for r in range(len(refs))], running):
-                    by_ref.pop(refs[rank])
-                    self.hangs.append(watch.describe(rank))
-                    outcomes[rank] = RankOutcome(rank, "hung", error=self.hangs[-1]["reason"])
-                    # A hung process cannot be asked to stop; SIGKILL through Ray is the only way.
-                    ray.kill(self.active[rank].actor, no_restart=True)
-            if deadline is None and any(o.kind != "ok" for o in outcomes.values()):
-                self.first_failure_ts = time.time()
-                deadline = self.first_failure_ts + self.drain_s
-                # The world is broken: wake every rank still inside a collective.
-                for ref, rank in by_ref.items() if collective else ():
-                    self.active[rank].actor.abort_world.remote(abort_port)
-            if deadline is not None and time.time() >= deadline:
-                break
-        for ref, rank in by_ref.items():
-            outcomes[rank] = RankOutcome(rank, "silent", error=f"no answer {self.drain_s:.0f}s after a peer failed")
-        return [outcomes[r] for r in range(len(refs))], values
+
+        def hung(running: set[int]) -> dict[int, RankOutcome]:
+            found = {}
+            for rank in watch.poll([self.active[r].actor for r in range(len(refs))], running):
+                self.hangs.append(watch.describe(rank))
+                found[rank] = RankOutcome(rank, "hung", error=self.hangs[-1]["reason"])
+                # A hung process cannot be asked to stop; SIGKILL through Ray is the only way.
+                ray.kill(self.active[rank].actor, no_restart=True)
+            return found
+
+        def failed(running: list[int]) -> None:
+            self.first_failure_ts = time.time()
+            # The world is broken: wake every rank still inside a collective.
+            for rank in running if collective else ():
+                self.active[rank].actor.abort_world.remote(abort_port)
+
+        return gather_calls(refs, ray.wait, _outcome_of, self.drain_s, poll_s=watch.poll_s if watch else 1.0,
+                            hung=hung if watch else None, failed=failed, deadline=deadline)
 
     def export(self, step_dir: str, out_dir: str, factory: str, model_kwargs: dict, seed: int,
                timeout_s: float) -> str:
@@ -514,8 +496,9 @@ class WorkerGroup:
     def drop(self, ranks: list[int]) -> None:
         """Remove lost ranks from the world, kill what is left of them, start replacements in
         their bundles (not on excluded nodes: their capacity is found elsewhere by `reserve`)."""
-        for m in [self.active[r] for r in ranks]:
-            self.active.remove(m)
+        lost = set(ranks)
+        gone, self.active = [self.active[r] for r in ranks], [m for r, m in enumerate(self.active) if r not in lost]
+        for m in gone:
             ray.kill(m.actor, no_restart=True)
             if m.node_id not in self.excluded:
                 self._start(m.pg, m.bundle_index)
@@ -593,6 +576,79 @@ class WorkerGroup:
             time.sleep(0.1)
 
 
+def gather_calls(refs: list, wait, outcome_of, drain_s: float, poll_s: float = 1.0, hung=None, failed=None,
+                 deadline: float | None = None, clock=time.time) -> tuple[list[RankOutcome], list]:
+    """Wait for one call per rank (None: no call, that rank is ok): each rank's outcome and value.
+
+    In batches: one wait blocks until some call is done (or the next hang poll, or the drain
+    deadline), one more takes every call that is done by then, and the batch is handled at once:
+    the ranks of a round leave their last collective together, so a round of any world size is a
+    few waits, not one per rank (each wait is O(calls left)). `hung(running ranks) -> {rank:
+    outcome}` is polled at most once per `poll_s` until a failure; `failed(running ranks)` is
+    told once, at the first failure (a rank not ok, hung included), and the rest then get
+    `drain_s` (by `deadline`, when given, from the start) before they are counted silent.
+    `wait` has ray.wait's signature, `outcome_of(rank, ref)` gives a done call's (outcome,
+    value), `clock` is time.time: unit tests pass their own (tests/test_gather.py)."""
+    by_ref = {ref: rank for rank, ref in enumerate(refs) if ref is not None}
+    outcomes: dict[int, RankOutcome] = {r: RankOutcome(r, "ok") for r, ref in enumerate(refs) if ref is None}
+    values: list = [None] * len(refs)
+    next_poll = clock() + poll_s
+    while by_ref:
+        now = clock()
+        if deadline is not None:
+            timeout = max(0.0, deadline - now)
+        else:
+            timeout = max(0.0, next_poll - now) if hung is not None else poll_s
+        pending = list(by_ref)
+        ready, _ = wait(pending, num_returns=1, timeout=timeout)
+        if ready and len(pending) > 1:
+            ready, _ = wait(pending, num_returns=len(pending), timeout=0)
+        failure = False
+        for ref in ready:
+            rank = by_ref.pop(ref)
+            outcomes[rank], values[rank] = outcome_of(rank, ref)
+            failure = failure or outcomes[rank].kind != "ok"
+        if hung is not None and deadline is None and by_ref and clock() >= next_poll:
+            next_poll = clock() + poll_s
+            for rank, outcome in hung(set(by_ref.values())).items():
+                by_ref.pop(refs[rank])
+                outcomes[rank] = outcome
+                failure = True
+        if deadline is None and failure:
+            if failed is not None:
+                failed(sorted(by_ref.values()))
+            deadline = clock() + drain_s
+        if deadline is not None and clock() >= deadline:
+            break
+    for ref, rank in by_ref.items():
+        outcomes[rank] = RankOutcome(rank, "silent", error=f"no answer {drain_s:.0f}s after a peer failed")
+    return [outcomes[r] for r in range(len(refs))], values
+
+
+def _outcome_of(rank: int, ref) -> tuple[RankOutcome, Any]:
+    """A done call's outcome, and its value when it succeeded."""
+    value = None
+    try:
+        value = ray.get(ref)
+        outcome = RankOutcome(rank, "ok")
+    except ray.exceptions.RayActorError as exc:
+        outcome = actor_died(rank, type(exc).__name__, str(exc))
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        # str(MemoryError()) is empty: name the exception too, except the worker's named ones
+        # (airay.worker.failures), which say their rank, name and traceback.
+        error = str(cause) if isinstance(cause, RankError) \
+            else f"{type(cause or exc).__name__}: {cause or exc}"
+        outcome = RankOutcome(rank, "errored", error=error,
+                              user_error=isinstance(cause, UserCodeError),
+                              cause=type(cause).__name__ if cause is not None else "",
+                              step=getattr(cause, "step", None))
+    except ray.exceptions.RayError as exc:  # e.g. an object the call needed was lost
+        outcome = RankOutcome(rank, "errored", error=str(exc).splitlines()[0],
+                              cause=type(exc).__name__)
+    return outcome, value
+
+
 def world_members(active: list, standby: list, world_size: int) -> tuple[list, list]:
     """(the new world's members in rank order, those left standing by): survivors keep their
     order, standby workers join after, grouped by node (co-located ranks are neighbours, the
@@ -602,8 +658,8 @@ def world_members(active: list, standby: list, world_size: int) -> tuple[list, l
     joining = standby[:max(0, world_size - len(active))]
     active, standby = list(active) + joining, standby[len(joining):]
     if len(active) > world_size:
-        idle = policy.ranks_to_idle([m.node_id for m in active], world_size)
-        standby += [active[r] for r in idle]
+        idle = set(policy.ranks_to_idle([m.node_id for m in active], world_size))
+        standby += [m for r, m in enumerate(active) if r in idle]
         active = [m for r, m in enumerate(active) if r not in idle]
     return active, standby
 
@@ -647,7 +703,7 @@ class _HangWatch:
         """Collect answered heartbeats, ask again, return the ranks to declare hung."""
         now = time.time()
         if self.inflight:
-            ready, _ = ray.wait(list(self.inflight.values()), num_returns=len(self.inflight), timeout=0)
+            ready = set(ray.wait(list(self.inflight.values()), num_returns=len(self.inflight), timeout=0)[0])
             for rank, ref in list(self.inflight.items()):
                 if ref not in ready:
                     continue

@@ -48,6 +48,7 @@ FULL = {
     # windows until the ratio's 95% interval is within +-1% (30 to 160 pairs), unpaced model.
     "overhead": ["--window", "3", "--min-pairs", "30", "--max-pairs", "160", "--width", "0.01"],
     "decision": ["--workers", "4096", "--repeats", "21"],
+    "driver_scale": ["--workers", "64,512,4096", "--rounds", "40", "--deaths", "3"],
     "raytrain": ["--repeats", "3", "--steps", "30", "--fault-step", "12"],
     # Long on purpose (20 min windows, 2 runs per side: ~90 min): start-up must be a realistic share.
     "goodput": ["--window", "1200", "--faults", "6", "--repeats", "2", "--regrow", "60"],
@@ -62,6 +63,7 @@ REDUCED = {
     "recovery": ["--repeats", "1"],
     "overhead": ["--min-pairs", "2", "--max-pairs", "2", "--window", "1.5"],
     "decision": ["--workers", "256", "--repeats", "3"],
+    "driver_scale": ["--reduced"],
     "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "12", "--fault-step", "7"],
     "checkpoint": ["--reduced"],
     "data": ["--reduced"],
@@ -203,6 +205,40 @@ def render_decision(dec: list[dict]) -> list[str]:
     for r in dec:
         lines.append(f"| {r['workers']} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-{r['max_ms']:.3f} | < 100 ms |")
     return lines
+
+
+def render_driver_scale(ds: dict) -> list[str]:
+    """The driver's CPU per round and per recovery at 64 to 4,096 ranks (benchmarks/driver_scale.py)."""
+    a = ds["args"]
+    lines = ["The real Controller against the unit tests' scripted worker group (tests/fake_group.py: no Ray, steps "
+             f"instant, 8 ranks per node): {a['rounds']} rounds of {a['steps_per_round']} steps, a checkpoint every "
+             f"{a['save_every']} rounds (every other one durable), {a['deaths']} rank deaths, each a recovery to the "
+             "shrunk world and a grow when its replacement is up. Driver CPU is time.process_time over the "
+             "controller's state methods, the fake group's own CPU inside them (the ranks' step records, durable "
+             "files) subtracted: per round `_running` (gather, classify, record the steps, straggler check, "
+             "checkpoint commits), per recovery `_recovering` (drop, decide, choose the checkpoint, form and load the "
+             "shrunk world), per grow `_growing` (save, form, load). Medians over calls; the mean and the worst "
+             "round carry the rounds that commit a checkpoint and the garbage collector's full passes.", "",
+             "| ranks | per round ms (median) | mean | worst | target | per recovery ms | target | per grow ms | "
+             "fake group per round ms | longest console line |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in ds["rows"]:
+        lines.append(f"| {r['workers']} | {r['round_ms']:.2f} | {r['round_ms_mean']:.2f} | {r['round_ms_max']:.1f} | "
+                     f"< {r['round_target_ms']:.2f} | {r['recovery_ms']:.2f} | "
+                     f"{'< 100' if r['workers'] >= 4096 else '-'} | {_num(r['grow_ms'])} | {r['round_fake_ms']:.2f} | "
+                     f"{r['console_longest']} |")
+    return lines + ["", driver_scale_verdict(ds["rows"])]
+
+
+def driver_scale_verdict(rows: list[dict]) -> str:
+    """The targets: per round < 10 ms + 0.01 ms per rank (median) at each size, per recovery < 100 ms at the largest."""
+    missed = [f"{r['workers']:,} ranks" for r in rows if r["round_ms"] >= r["round_target_ms"]]
+    top = rows[-1]
+    return (f"Per round (median), target < 10 ms + 0.01 ms per rank: "
+            + ("met at every size" if not missed else f"**not met** at {_and(missed)}")
+            + f" ({top['round_ms']:.1f} ms at {top['workers']:,} ranks against {top['round_target_ms']:.2f}); per "
+            f"recovery at {top['workers']:,} ranks **{top['recovery_ms']:.1f} ms** (target < 100 ms: "
+            f"{_met(top['recovery_ms'] < 100)}).")
 
 
 def render_simulate(sim_rows: list[dict]) -> list[str]:
@@ -420,6 +456,7 @@ RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md'
     "recovery": ("Recovery: warm re-form vs cold restart", render_recovery),
     "overhead": ("Overhead: airay vs plain DeepSpeed", render_overhead),
     "decision": ("Controller decision path at scale", render_decision),
+    "driver_scale": ("Driver CPU per round and per recovery at scale", render_driver_scale),
     "raytrain": ("Recovery: airay vs Ray Train's elastic TorchTrainer", render_raytrain),
     "goodput": ("Goodput under a failure schedule: airay vs Ray Train", render_goodput),
     "checkpoint": ("Checkpoint: memory, held time per save, commit and reload per model size", render_checkpoint),
@@ -502,6 +539,10 @@ def _met(ok: bool) -> str:
 def _ratio(v: float | None) -> str:
     """A measured ratio, or "-" where the run had none (benchmarks/checkpoint.py: a reduced run
     too short to sample a worker before its first save)."""
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
@@ -636,6 +677,17 @@ def readme_decision(results: dict) -> list[str]:
             + ", ".join(f"{r['median_ms']:.3f} ms at {r['workers']:,}" for r in rows[:-1]) + ")."]
 
 
+def readme_driver_scale(results: dict) -> list[str]:
+    s = results["driver_scale"]
+    rows = s["result"]["rows"]
+    each = ", ".join(f"{r['round_ms']:.2f} ms per round and {r['recovery_ms']:.2f} ms per recovery at {r['workers']:,}"
+                     for r in rows)
+    return [f"{_ran(s)}: the real Controller against the unit tests' scripted worker group (no Ray, instant steps), "
+            f"the driver's own CPU (medians; the fake group's CPU subtracted): {each} ranks. "
+            + driver_scale_verdict(rows) + " The longest console line of each run: "
+            + ", ".join(f"{r['console_longest']} characters at {r['workers']:,}" for r in rows) + " ranks."]
+
+
 def readme_raytrain(results: dict) -> list[str]:
     s = results["raytrain"]
     rt = s["result"]
@@ -749,6 +801,7 @@ README_BLOCKS = {  # README marker name -> (the results it needs, renderer)
     "checkpoint": (("checkpoint",), readme_checkpoint),
     "overhead": (("overhead",), readme_overhead),
     "decision": (("decision",), readme_decision),
+    "driver_scale": (("driver_scale",), readme_driver_scale),
     "raytrain": (("raytrain",), readme_raytrain),
     "goodput": (("goodput",), readme_goodput),
     "gpu": (("gpu",), readme_gpu),

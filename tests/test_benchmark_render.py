@@ -111,3 +111,25 @@ def test_goodput_window_section_reports_each_run_causes_simulator_and_target():
     assert "| airay | 0.950 | 0.960, 0.940 | 1.73x |" in text and "| Ray Train | 0.550 | 0.500, 0.600 | 1.00x |" in text
     assert "startup 20.0, recovery 10.0" in text and "predicts 0.970 for airay against 0.950 measured" in text
     assert "**met**" in text
+
+
+def test_driver_scale_section_has_a_row_per_size_and_each_target():
+    from benchmarks.run import readme_driver_scale, render_driver_scale
+
+    row = {"workers": 64, "round_ms": 1.0, "round_ms_mean": 1.1, "round_ms_max": 5.9, "round_target_ms": 10.64,
+           "recovery_ms": 1.17, "grow_ms": 1.3, "round_fake_ms": 0.32, "console_longest": 332}
+    slow = {**row, "workers": 4096, "round_ms": 61.0, "round_target_ms": 50.96, "recovery_ms": 140.0,
+            "grow_ms": None, "console_longest": 338}
+    result = {"args": {"rounds": 40, "steps_per_round": 5, "save_every": 5, "deaths": 3}, "rows": [row, slow]}
+    text = "\n".join(render_driver_scale(result))
+    assert "| 64 | 1.00 | 1.10 | 5.9 | < 10.64 | 1.17 | - | 1.30 | 0.32 | 332 |" in text
+    assert "| 4096 | 61.00 | 1.10 | 5.9 | < 50.96 | 140.00 | < 100 | - | 0.32 | 338 |" in text
+    assert "**not met** at 4,096 ranks (61.0 ms at 4,096 ranks against 50.96)" in text
+    assert "**140.0 ms** (target < 100 ms: **not met**)" in text and "40 rounds of 5 steps" in text
+    good = {**result, "rows": [row]}
+    assert "met at every size" in "\n".join(render_driver_scale(good))
+    stored = {"driver_scale": {"result": result, "command": "python benchmarks/driver_scale.py", "date": "2026-12-05",
+                               "machine": "2 CPU cores (x86_64), no GPU; Python 3.11"}}
+    (line,) = readme_driver_scale(stored)
+    assert "1.00 ms per round and 1.17 ms per recovery at 64, 61.00 ms per round and 140.00 ms per recovery at 4,096" \
+        in line and "332 characters at 64, 338 characters at 4,096 ranks" in line

@@ -1,5 +1,8 @@
-from airay.health import Failure, RankOutcome, classify_round, deadline, find_hung, find_stragglers, merge_pipelined, \
-    node_mates, position, summarize_failures
+import random
+import statistics
+
+from airay.health import Failure, RankOutcome, classify_round, deadline, find_hung, find_stragglers, median_without, \
+    merge_pipelined, node_mates, position, summarize_failures
 
 
 def test_all_ok():
@@ -135,6 +138,43 @@ def test_find_stragglers_uses_local_time_and_both_thresholds():
     # twice as slow but only by 50 ms: noise on a busy machine, not a straggler
     assert find_stragglers([[0.05], [0.1], [0.05]], factor=1.5, min_excess_s=0.1) == []
     assert find_stragglers([fast], factor=2.0, min_excess_s=0.1) == []
+
+
+def _stragglers_by_definition(local_s, factor, min_excess_s):
+    """find_stragglers as its docstring defines it: each rank against a new list of the others."""
+    if len(local_s) < 2:
+        return []
+    medians = [statistics.median(ts) for ts in local_s]
+    out = []
+    for rank, m in enumerate(medians):
+        others = statistics.median(medians[:rank] + medians[rank + 1:])
+        if m > factor * others and m - others >= min_excess_s:
+            out.append(rank)
+    return out
+
+
+def test_find_stragglers_equals_the_definition_on_random_worlds():
+    # Sorted once instead of a new list per rank; the answers (and the floats they compare) are the
+    # definition's, for odd and even worlds, ties (values on a coarse grid) and real stragglers.
+    rng = random.Random(28)
+    found = 0
+    for trial in range(400):
+        world = rng.choice([2, 3, 4, 5, 8, 9, 16, 17, 64, 65])
+        grid = rng.choice([None, 0.01, 0.05])  # ties: many ranks share a median
+        local = []
+        for _ in range(world):
+            base = rng.choice([0.1, 0.1, 0.1, 0.35]) if trial % 2 else rng.uniform(0.05, 0.5)
+            ts = [base * rng.uniform(0.9, 1.1) for _ in range(rng.choice([1, 2, 3, 4]))]
+            local.append([round(t / grid) * grid for t in ts] if grid else ts)
+        factor, excess = rng.choice([1.5, 2.0, 3.0]), rng.choice([0.0, 0.05, 0.1])
+        expected = _stragglers_by_definition(local, factor, excess)
+        assert find_stragglers(local, factor, excess) == expected, (local, factor, excess)
+        found += bool(expected)
+    assert found > 50  # the comparison covered worlds with stragglers, not only empty answers
+    for values in ([1.0, 1.0], [1.0, 2.0], [3.0, 1.0, 2.0], [1.0, 1.0, 1.0, 5.0], [2.0, 2.0, 2.0, 2.0, 2.0]):
+        ordered = sorted(values)
+        for i, v in enumerate(values):
+            assert median_without(ordered, v) == statistics.median(values[:i] + values[i + 1:])
 
 
 def test_summarize_failures_names_kinds_ranks_nodes_steps():

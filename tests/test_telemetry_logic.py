@@ -5,6 +5,7 @@ import time
 import torch
 
 from airay import commtime
+from airay.events import RunRecorder, read_jsonl
 from airay.telemetry import eta_s, progress_line
 from airay.worker import free_port, token_count
 
@@ -15,6 +16,31 @@ def test_progress_line_is_one_plain_line():
     assert progress_line(1, 10, 1.0, 5.0, None, 1, 0, None).endswith("world 1 restarts 0 eta ?")
     assert progress_line(1, 10, 1.0, 5.0, None, 1, 0, 3725).endswith("eta 1h02m")
     assert "\r" not in line and "\x1b" not in line
+
+
+def test_console_lines_stay_short_at_any_world_size_and_events_jsonl_keeps_everything(tmp_path, capsys):
+    workers = [{"node_id": f"{r // 8:056x}", "pid": 1000 + r, "device": f"cuda:{r % 8}", "gpu_ids": [r % 8],
+                "backend": "nccl", "timeline": {"init_ts": 1.5, "ready_ts": 2.5}, "local_rank": r % 8}
+               for r in range(4096)]
+    rec = RunRecorder(tmp_path, echo=True)
+    rec.event("world_formed", step=0, world_size=4096, plan={"world_size": 4096, "global_batch_size": 8192},
+              join_s=1.23456, workers=workers)
+    rec.event("checkpoint_saved", step=5, tier="durable", upload_windows=[[1.0, 2.0]] * 4096,
+              peer_nodes=[f"{n:056x}" for n in range(512)], retried_ranks=[])
+    rec.event("run_failed", step=5, error="x" * 5000, traceback="Traceback:\n  File 'a.py'\nValueError: bad")
+    rec.close()
+    lines = capsys.readouterr().out.splitlines()
+    formed, saved, failed = lines[0], lines[1], lines[2]
+    assert formed == ("[airay] world_formed step=0 world_size=4096 plan={'world_size': 4096, 'global_batch_size': "
+                      "8192} join_s=1.235 workers=4096 on 512 node(s)")
+    assert len(saved) < 600 and "upload_windows=[[1.000, 2.000], [1.000, 2.000], [1.000, 2.000], (+4093 more)]" in saved
+    assert "(+509 more)] retried_ranks=[]" in saved
+    assert len(failed) < 400 and "... (+4700 chars)" in failed
+    assert lines[3:] == ["  File 'a.py'", "ValueError: bad"]  # a traceback keeps its lines
+    # The record is whole: every worker with every field, every window, the whole error.
+    recorded = {e["type"]: e for e in read_jsonl(tmp_path / "events.jsonl")}
+    assert recorded["world_formed"]["workers"] == workers
+    assert len(recorded["checkpoint_saved"]["upload_windows"]) == 4096 and len(recorded["run_failed"]["error"]) == 5000
 
 
 def test_token_count_only_for_integer_sequences():

@@ -101,12 +101,15 @@ class NodeStore:
         self.tier.commit(step, manifest_json)
 
     def catalog(self) -> dict[int, dict]:
-        """{step: {"manifest": json or None, "files": {name: size}}} of every step here."""
-        out = {}
-        for step in self.tier.steps():
-            path = self.tier.step_dir(step) / "manifest.json"
-            out[step] = {"manifest": path.read_text() if path.exists() else None, "files": self.tier.files(step)}
-        return out
+        """{step: {"manifest": whether it is committed here, "files": {name: size}}} of every step
+        here (the manifests themselves are read one at a time: `manifest`)."""
+        return {step: {"manifest": (self.tier.step_dir(step) / "manifest.json").exists(),
+                       "files": self.tier.files(step)} for step in self.tier.steps()}
+
+    def manifest(self, step: int) -> str | None:
+        """The text of a step's manifest here, or None."""
+        path = self.tier.step_dir(step) / "manifest.json"
+        return path.read_text() if path.exists() else None
 
     def usage(self) -> dict[int, int]:
         """{step: bytes} this node holds of each step (its own files, peer copies, partial ones)."""

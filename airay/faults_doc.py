@@ -153,7 +153,8 @@ ELSEWHERE: dict[str, Tested] = {
         "each save is planned against every node's tier budget (`checkpoint.memory_budget_fraction` of its "
         "RAM or `memory_budget_gb`, capped by /dev/shm's room; `memory_budget`, `checkpoint_budget`); a rank "
         "Ray's memory monitor kills: `worker_failed` outcome `oom` with its node's memory figures",
-        "drop the oldest kept steps, then the peer copies to nodes that would overflow, then skip the save; "
+        "drop the oldest kept steps, then the peer copies of steps being uploaded, then the new step's peer "
+        "copies to nodes that would overflow, then skip the save; "
         "after an out-of-memory loss halve that machine's budget and prune every tier to its newest step "
         "before the replacement starts (`memory_tier_reduced`)",
         "continued",

@@ -231,6 +231,12 @@ class WorkerGroup:
         done, _ = self.each_result([s.usage.remote() for s in stores.values()], list(stores), timeout_s)
         return done
 
+    def drop_copies(self, node: str, files: dict[int, list[str]], timeout_s: float = 60.0) -> None:
+        """Remove files (peer copies) of steps from one node's store ({step: [file names]})."""
+        store = self._live_stores().get(node)
+        if store is not None:
+            ray.wait([store.drop_files.remote(files)], timeout=timeout_s)
+
     def end_memory(self, remove: bool, keep: list[int], timeout_s: float = 60.0) -> None:
         """The run ends: a finished run's memory tier goes (its last checkpoint is durable); one
         that stopped otherwise keeps its newest steps for a re-run to resume from."""

@@ -174,6 +174,9 @@ class FakeGroup:
     def room_without(self, nodes: set[str]) -> int:
         return self.room
 
+    def drop_copies(self, node: str, files: dict[int, list[str]], timeout_s: float = 60.0) -> None:
+        self.calls.append(("drop_copies", node, {s: list(n) for s, n in files.items()}))
+
     def release_vacant_groups(self) -> list[str]:
         return []
 

@@ -61,3 +61,21 @@ def test_a_saves_size_comes_from_the_last_manifest_rescaled_to_the_world():
     manifest = Manifest(step=4, world_size=4, zero_stage=2, job={}, files=files, created=0.0)
     assert rank_bytes(manifest, 4) == [150, 100, 100, 100]
     assert rank_bytes(manifest, 2) == [300, 300]  # the largest rank's share, over half the ranks
+
+
+def test_the_peer_copies_of_a_step_an_upload_reads_go_before_the_new_steps_peer_copies():
+    kept = {"A": {2: 800, 4: 800}, "B": {2: 800, 4: 800}}
+    own = {"A": 400, "B": 400}
+    copies = {"A": {4: 400}, "B": {4: 400}}  # of step 4 (uploading), each node holds its peer's 400
+    # Without step 2 and step 4's peer copies: 400 of step 4 + 800 of the new step with its copy.
+    plan = plan_save({"A": 1300, "B": 1300}, kept, {4}, own, RING, copies)
+    assert (plan.drop, plan.drop_copies, plan.no_peer, plan.skip) == ((2,), (4,), frozenset(), False)
+    assert plan.use == {"A": 1200, "B": 1200}
+    # Tighter: the new step's copies go too; tighter still, the save is skipped and nothing dropped.
+    plan = plan_save({"A": 1000, "B": 1000}, kept, {4}, own, RING, copies)
+    assert (plan.drop_copies, plan.no_peer, plan.skip) == ((4,), frozenset({"A", "B"}), False)
+    assert plan.use == {"A": 800, "B": 800}
+    plan = plan_save({"A": 700, "B": 1000}, kept, {4}, own, RING, copies)
+    assert plan.skip and plan.drop == () and plan.drop_copies == ()
+    # Copies of a step no upload reads are not counted apart: the step goes whole.
+    assert plan_save({"A": 1300, "B": 1300}, kept, set(), own, RING, {"A": {2: 400}}).drop_copies == ()

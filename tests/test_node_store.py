@@ -31,6 +31,9 @@ def test_a_store_serves_reads_while_a_copy_waits_and_lands_its_chunks_in_order(t
     assert ray.get(store.received.remote(3, "rank0.pt", 1500, crc), timeout=10) is True
     assert ray.get(store.read.remote(3, "rank0.pt", 990, 20), timeout=10) == b"a" * 10 + b"b" * 10
     assert ray.get(store.usage.remote(), timeout=10) == {3: 1500}
+    # The budget gives a peer copy up (its owner's node keeps the file): it goes, the step stays.
+    assert ray.get(store.drop_files.remote({3: ["rank0.pt", "rank9.pt"]}), timeout=10) == 1500
+    assert ray.get(store.usage.remote(), timeout=10) == {3: 0}
     # A copy whose bytes differ from the sender's CRC is not kept.
     ray.get(store.receive.remote(4, "rank0.pt", 0, first), timeout=10)
     assert ray.get(store.received.remote(4, "rank0.pt", 1000, crc), timeout=10) is False

@@ -135,6 +135,20 @@ class NodeStore:
                 for name in names}
         return {"files": sent, "window": [start, time.time()]}
 
+    def drop_files(self, files: dict[int, list[str]]) -> int:
+        """Remove these files of these steps ({step: [names]}: peer copies the budget gives up);
+        returns the bytes freed."""
+        freed = 0
+        for step, names in files.items():
+            for name in names:
+                path = self.tier.step_dir(int(step)) / name
+                try:
+                    freed += path.stat().st_size
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+        return freed
+
     def prune(self, keep: list[int]) -> list[int]:
         return self.tier.prune(set(keep))
 

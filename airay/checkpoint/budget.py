@@ -53,6 +53,7 @@ def node_budgets(nodes: list[NodeMemory], fraction: float, budget_bytes: int | N
 @dataclass(frozen=True)
 class SavePlan:
     drop: tuple[int, ...] = ()  # kept steps to remove before the save, oldest first
+    drop_copies: tuple[int, ...] = ()  # protected steps whose peer copies go (their owners' files stay)
     no_peer: frozenset[str] = frozenset()  # nodes whose ranks keep no copy on their successor
     skip: bool = False  # the save does not fit even alone
     reason: str = ""
@@ -60,44 +61,60 @@ class SavePlan:
 
 
 def plan_save(budgets: dict[str, int], kept: dict[str, dict[int, int]], protected: set[int],
-              own: dict[str, int], ring: dict[str, str]) -> SavePlan:
+              own: dict[str, int], ring: dict[str, str],
+              copies: dict[str, dict[int, int]] | None = None) -> SavePlan:
     """What a save of `own[node]` bytes per node must give up to keep every node within its budget.
 
     `kept[node]`: bytes per step the node holds now (own files and peer copies); `protected`:
-    steps that may not go (an upload reads them); `ring[node]`: the node its ranks copy to.
-    Kept steps go oldest first, on every node at once (a step is loadable only whole); when even
-    none fits, the copies to the nodes that would overflow are not made; when a node's own
-    files alone overflow it, the save is skipped (nothing is dropped for it)."""
+    steps that may not go (an upload reads them); `ring[node]`: the node its ranks copy to;
+    `copies[node]`: bytes of other nodes' files the node holds of each protected step (their peer
+    copies: an upload reads each rank's own files, on its own node).
+    Kept steps go oldest first, on every node at once (a step is loadable only whole); then the
+    peer copies of protected steps; when even that does not fit, the copies to the nodes that
+    would overflow are not made; when a node's own files alone overflow it, the save is skipped
+    (nothing is dropped for it)."""
+    copies = copies or {}
     incoming = {node: 0 for node in budgets}
     for src, dst in ring.items():
         if dst in incoming:
             incoming[dst] += own.get(src, 0)
     steps = sorted({s for per in kept.values() for s in per} - set(protected))
+    copied = tuple(sorted({s for per in copies.values() for s in per} & set(protected)))
 
-    def use(dropped: set[int], with_peer: set[str]) -> dict[str, int]:
+    def use(dropped: set[int], with_peer: set[str], uncopied: tuple[int, ...] = ()) -> dict[str, int]:
         return {node: sum(b for s, b in kept.get(node, {}).items() if s not in dropped)
+                - sum(copies.get(node, {}).get(s, 0) for s in uncopied)
                 + own.get(node, 0) + (incoming[node] if node in with_peer else 0) for node in budgets}
+
+    def fits(planned: dict[str, int]) -> bool:
+        return all(planned[n] <= budgets[n] for n in budgets)
 
     everyone = set(budgets)
     for k in range(len(steps) + 1):
         dropped = set(steps[:k])
         planned = use(dropped, everyone)
-        if all(planned[n] <= budgets[n] for n in budgets):
+        if fits(planned):
             return SavePlan(drop=tuple(steps[:k]), use=planned,
                             reason=f"dropped steps {steps[:k]} to fit" if k else "")
     dropped = set(steps)
-    alone = use(dropped, set())
+    if copied and fits(planned := use(dropped, everyone, copied)):
+        return SavePlan(drop=tuple(steps), drop_copies=copied, use=planned,
+                        reason=f"dropped steps {steps} and the peer copies of steps {list(copied)}, which uploads read, "
+                               "to fit")
+    alone = use(dropped, set(), copied)
     over = sorted(n for n in budgets if alone[n] > budgets[n])
     if over:
         return SavePlan(skip=True, use=alone, reason=(
             f"node {over[0][:8]}'s own files of the step ({own.get(over[0], 0) / 2**20:.0f} MiB, with "
             f"{(alone[over[0]] - own.get(over[0], 0)) / 2**20:.0f} MiB of steps an upload still reads) exceed its "
             f"memory-tier budget of {budgets[over[0]] / 2**20:.0f} MiB"))
-    full = use(dropped, everyone)
+    full = use(dropped, everyone, copied)
     receivers = {n for n in budgets if full[n] > budgets[n]}
     no_peer = frozenset(src for src, dst in ring.items() if dst in receivers)
-    return SavePlan(drop=tuple(steps), no_peer=no_peer, use=use(dropped, everyone - receivers),
-                    reason=f"dropped steps {steps} and the peer copies to {len(receivers)} node(s) to fit")
+    return SavePlan(drop=tuple(steps), drop_copies=copied, no_peer=no_peer,
+                    use=use(dropped, everyone - receivers, copied),
+                    reason=f"dropped steps {steps}, the peer copies of steps {list(copied)} and the peer copies to "
+                           f"{len(receivers)} node(s) to fit")
 
 
 def rank_bytes(manifest, world_size: int) -> list[int]:

@@ -144,12 +144,16 @@ class Checkpointer:
             self.rec.event("checkpoint_budget", step=step, action="skipped", reason=plan.reason,
                            budget_bytes=min(self.budgets.values(), default=None), newest_durable_step=self.last_durable_step)
             return [RankOutcome(r, "ok") for r in range(len(group.active))]
-        if plan.drop or plan.no_peer:
+        if plan.drop or plan.drop_copies or plan.no_peer:
             self.memory_steps = [s for s in self.memory_steps if s not in plan.drop]
             if plan.drop:
                 group.prune_memory(self.memory_steps, also_drop=list(plan.drop))
-            self.rec.event("checkpoint_budget", step=step, action="dropped" if not plan.no_peer else "no_peer_copy",
-                           dropped_steps=list(plan.drop), no_peer_nodes=sorted(plan.no_peer), reason=plan.reason,
+            if plan.drop_copies:
+                self._drop_copies(group, plan.drop_copies)
+            action = "no_peer_copy" if plan.no_peer else "dropped_peer_copies" if plan.drop_copies else "dropped"
+            self.rec.event("checkpoint_budget", step=step, action=action, dropped_steps=list(plan.drop),
+                           dropped_copies_of=list(plan.drop_copies), no_peer_nodes=sorted(plan.no_peer),
+                           reason=plan.reason,
                            budget_bytes=min(self.budgets.values(), default=None),
                            planned_bytes=max(plan.use.values(), default=0))
         outcomes, _ = group.save(step, data_position, faults)
@@ -194,13 +198,39 @@ class Checkpointer:
             for member, nbytes in zip(group.active, rank_bytes(self.last_manifest, len(group.active))):
                 own[member.node_id] = own.get(member.node_id, 0) + nbytes
         protected = {s.step for s in self._uploads.items()}
+        copies: dict[str, dict[int, int]] = {}  # node -> protected step -> bytes of its peers' files there
+        for node, per_step in self._peer_copies().items():
+            for step, files in per_step.items():
+                copies.setdefault(node, {})[step] = sum(files.values())
         kept = group.memory_usage()
         self.step_bytes = {s: b for s, b in self.step_bytes.items() if s in self.memory_steps}
         for step, held in self.step_bytes.items():  # a peer copy still arriving counts whole
             for node, nbytes in held.items():
                 if node in kept:
                     kept[node][step] = max(kept[node].get(step, 0), nbytes)
-        return plan_save(budgets, kept, protected, own, group.ring())
+        return plan_save(budgets, kept, protected, own, group.ring(), copies)
+
+    def _peer_copies(self) -> dict[str, dict[int, dict[str, int]]]:
+        """{node: {step: {file: size}}} of the peer copies of the steps uploads read (each rank
+        uploads its own files from its own node; the copies only serve a rank lost mid-upload)."""
+        out: dict[str, dict[int, dict[str, int]]] = {}
+        for save in self._uploads.items():
+            for name, f in save.manifest.files.items():
+                for node in save.holders.get(f.rank, [])[1:]:
+                    out.setdefault(node, {}).setdefault(save.step, {})[name] = f.size
+        return out
+
+    def _drop_copies(self, group, steps: tuple[int, ...]) -> None:
+        """Remove the peer copies of `steps` (being uploaded) from the nodes holding them; their
+        uploads' fallback is each rank's own node from now on."""
+        for node, per_step in self._peer_copies().items():
+            files = {step: sorted(per_step[step]) for step in steps if per_step.get(step)}
+            if files:
+                group.drop_copies(node, files)
+        for save in self._uploads.items():
+            if save.step in steps:
+                save.holders = {rank: nodes[:1] for rank, nodes in save.holders.items()}
+                self.step_bytes.pop(save.step, None)  # measured again (memory_usage) at the next plan
 
     def relieve_memory(self, group, nodes: list[str]) -> None:
         """Ray's memory monitor killed ranks on `nodes`: their hosts' budgets are halved and every

@@ -21,12 +21,12 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.sampler import Sampler  # noqa: E402
 
 WORKERS, LAYERS, SEQ = 4, 8, 8
 
@@ -46,33 +46,24 @@ def job(run_dir: Path, durable: Path, d_model: int, steps: int, kill: bool) -> d
             "run_dir": str(run_dir)}
 
 
-class TierSampler:
-    """Peak bytes each node's memory tier of a job holds (its directory under memory_base)."""
+class TierSampler(Sampler):
+    """Peak bytes each node's memory tier holds: the directories `pattern` finds under `base`."""
 
-    def __init__(self, base: Path, period_s: float = 0.05):
-        self.base, self.period_s, self.peak = base, period_s, {}
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    period_s = 0.05
 
-    def _run(self):
-        while not self._done.is_set():
-            for node in self.base.glob("node-*"):
-                held = 0
-                for f in node.glob("step_*/*"):
-                    try:
-                        held += f.stat().st_size
-                    except FileNotFoundError:  # pruned meanwhile
-                        pass
-                self.peak[node.name] = max(self.peak.get(node.name, 0), held)
-            time.sleep(self.period_s)
+    def __init__(self, base: Path, pattern: str = "node-*"):
+        super().__init__()
+        self.base, self.pattern, self.peak = Path(base), pattern, {}
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._done.set()
-        self._thread.join()
+    def sample(self) -> None:
+        for node in self.base.glob(self.pattern):
+            held = 0
+            for f in node.glob("step_*/*"):
+                try:
+                    held += f.stat().st_size
+                except FileNotFoundError:  # pruned meanwhile
+                    pass
+            self.peak[node.name] = max(self.peak.get(node.name, 0), held)
 
 
 def run(d_model: int, steps: int, kill: bool, work: Path) -> dict:

@@ -272,10 +272,10 @@ def test_a_small_memory_budget_is_kept_on_disk_and_a_fault_on_most_nodes_exclude
                                                                                           baseline):
     """Each node's tier may hold 3 MB: about one step with its peer copy (a step is ~2.2 MB over
     three nodes, each node holding its own files and its predecessor's). Saves every 5 steps drop
-    the step before; a thread measures every node's tier on disk meanwhile. At step 12 ranks on
-    two of the three nodes are killed at once: one incident striking most nodes, which counts
-    toward no node's exclusion (threshold 1)."""
-    import threading
+    the step before; a thread measures every node's tier on disk meanwhile (every 50 ms). At
+    step 12 ranks on two of the three nodes are killed at once: one incident striking most
+    nodes, which counts toward no node's exclusion (threshold 1)."""
+    from benchmarks.memory_pressure import TierSampler
 
     local_cluster(nodes=3)
     run, shm = tmp_path / "run", tmp_path / "shm"
@@ -285,28 +285,9 @@ def test_a_small_memory_budget_is_kept_on_disk_and_a_fault_on_most_nodes_exclude
                      chaos=[{"fault": "kill_worker", "at_step": 12, "rank": 0},
                             {"fault": "kill_worker", "at_step": 12, "rank": 1}])
     data["health"] = {"exclude_node_after_failures": 1}
-    peak: dict[str, int] = {}
-    done = threading.Event()
-
-    def measure():
-        while not done.is_set():
-            for node in shm.glob("ckpt-*/node-*"):
-                held = 0
-                for f in node.glob("step_*/*"):
-                    try:
-                        held += f.stat().st_size
-                    except FileNotFoundError:  # pruned meanwhile
-                        pass
-                peak[node.name] = max(peak.get(node.name, 0), held)
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=measure, daemon=True)
-    watcher.start()
-    try:
+    with TierSampler(shm, "ckpt-*/node-*") as tiers:
         result = fit(JobConfig.from_dict(data), echo=False)
-    finally:
-        done.set()
-        watcher.join()
+    peak = tiers.peak
     assert result.status == "finished" and result.final_step == 30
     assert_released()
     (checked,) = events(run, "memory_budget")

@@ -14,6 +14,7 @@ from airay.controller import Controller, Result
 from airay.events import RunRecorder
 from airay.data.prepare import prepare, prepare_dataset
 from airay.local_cluster import LocalCluster
+from airay.observe.ray_output import route_ray_messages
 
 
 @contextlib.contextmanager
@@ -47,7 +48,7 @@ def preemption_signals(controller: Controller):
 
 def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None = None, dataset=None,
         launched_ts: float | None = None, driver_attempt: int | None = None,
-        previous_exit: str | None = None) -> Result:
+        previous_exit: str | None = None, verbose: bool = False) -> Result:
     """Train `config` to max_steps, recovering from lost workers and nodes on the way.
 
     Connects to the Ray already initialised in this process, else `config.ray_address`, else
@@ -62,6 +63,7 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
     call). Wall time, goodput and start-up count from it: every second the user waits.
     `driver_attempt`: set by `airay run`'s supervisor (airay.supervisor): this process is its
     driver, restarted if it dies (attempt 0 first; `previous_exit`: how the last one ended).
+    `echo`: show the run (airay.observe.console); `verbose`: every event, not just the story.
     """
     import ray
 
@@ -79,11 +81,13 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
     else:
         config, stream = prepare(config)  # the dataset is checked (and max_steps resolved) before Ray starts
     run_dir = resolve_run_dir(config)
-    recorder = RunRecorder(run_dir, echo=echo)
+    recorder = RunRecorder(run_dir, echo=echo, verbose=verbose)
     config = config.model_copy(update={"run_dir": str(run_dir)})
     recorder.write_config(mask_secrets(config.to_yaml()))  # credentials in a storage URI stay out of the run dir
     local = None
     started_ray = False
+    restore_ray_messages = route_ray_messages(
+        lambda source, line: recorder.event("ray_message", source=source, message=line))
     try:
         if local_cluster is not None:
             if not ray.is_initialized():
@@ -109,8 +113,9 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
         with preemption_signals(controller):
             return controller.run()
     finally:
-        recorder.close()
         if started_ray:
             ray.shutdown()
+        restore_ray_messages()
+        recorder.close()
         if local is not None:
             local.shutdown()

@@ -12,19 +12,26 @@ import sys
 from airay.config import ConfigError, JobConfig, spec_mapping, supervision
 
 
+SUMMARY_RESIZES = 10  # resize lines in the summary; `airay status RUN_DIR` lists them all
+
+
 def _summary(result) -> str:
+    from airay.observe.console import PREFIX, bounded, duration
     from airay.runview import lost_text, resize_text
 
-    lines = [f"airay: {result.status} at step {result.final_step}, loss {result.final_loss}, "
-             f"restarts {result.restarts}, world sizes {result.world_sizes}, goodput {result.goodput:.2f}, "
-             f"wall {result.wall_s:.1f}s", f"airay: run directory {result.run_dir}"]
+    worlds = " -> ".join(str(w) for w in result.world_sizes[:12]) + (" ..." if len(result.world_sizes) > 12 else "")
+    loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "-"
+    lines = [f"{result.status} at step {result.final_step}: loss {loss}, goodput {result.goodput:.2f}, "
+             f"wall {duration(result.wall_s)}, {result.restarts} restarts, worlds {worlds}"]
     if result.time_lost_s:
-        lines.append(f"airay: time lost: {lost_text(result.time_lost_s)}")
-    for r in result.resizes:
-        lines.append(f"airay: {resize_text(r)}")
+        lines.append(f"time lost: {lost_text(result.time_lost_s)}")
+    lines += [resize_text(r) for r in result.resizes[:SUMMARY_RESIZES]]
+    if len(result.resizes) > SUMMARY_RESIZES:
+        lines.append(f"(+{len(result.resizes) - SUMMARY_RESIZES} more resizes: airay status {result.run_dir})")
     if result.error:
-        lines.append(f"airay: error: {result.error}")
-    return "\n".join(lines)
+        lines.append(f"error: {result.error}")
+    lines.append(f"run directory {result.run_dir}")
+    return "\n".join(bounded(f"{PREFIX} {line}") for line in lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override a spec field, value parsed as YAML (repeatable)")
     run.add_argument("--json", action="store_true", help="print the result as JSON")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="print every event as it is recorded (default: progress, faults, recoveries, the summary)")
     run.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the supervised driver itself
     addr_help = "Ray dashboard address, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS, else the local cluster)"
     submit = sub.add_parser("submit", help="submit a job spec to a running Ray cluster (Ray's Job API)")
@@ -122,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir, max_restarts = supervision(data, args.spec)
                 if max_restarts > 0:
                     driver_argv = ["run", args.spec, *[a for s in args.set for a in ("--set", s)], "--run-dir",
-                                   str(run_dir), "--driver", *(["--json"] if args.json else [])]
+                                   str(run_dir), "--driver", *(["--json"] if args.json else []),
+                                   *(["--verbose"] if args.verbose else [])]
                     return supervisor.supervise(driver_argv, str(run_dir), max_restarts, process_start_ts(),
                                                 supervisor.cluster_address(data))
             config = JobConfig.from_yaml(args.spec, overrides)
@@ -138,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # Start-up counts from when the user pressed enter: the supervisor's start, or ours.
             result = fit(config, launched_ts=float(launched) if launched else process_start_ts(),
-                         driver_attempt=attempt, previous_exit=os.environ.get(supervisor.PREVIOUS_EXIT_ENV))
+                         driver_attempt=attempt, previous_exit=os.environ.get(supervisor.PREVIOUS_EXIT_ENV),
+                         verbose=args.verbose)
         except ConfigError as exc:  # found once Ray is up (a dataset, a checkpoint path of another job)
             print(f"airay: {exc}", file=sys.stderr)
             return 2
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             print("airay: the driver failed (traceback above, and in events.jsonl); it is restarted", file=sys.stderr)
             return supervisor.DRIVER_FAILED_EXIT
         if result.status == "preempted":
-            print("airay: preempted; run the same command again to resume from the checkpoint above")
+            print("[airay] preempted; run the same command again to resume from the checkpoint above")
         # A preempted run exits cleanly (0): it stopped as asked and left a checkpoint to resume.
         return 0 if result.status in ("finished", "preempted") else 1
     return 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,8 @@ from airay.data.pipeline import DataLog, Feeder, Stream
 from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
     merge_pipelined, node_mates, summarize_failures
 from airay.local_cluster import LocalCluster
-from airay.telemetry import Telemetry, eta_s, progress_line
+from airay.observe.console import Progress
+from airay.telemetry import Pace, Telemetry
 from airay.worker_group import WorkerGroup
 
 
@@ -142,7 +142,8 @@ class Controller:
         self.detection_s: float | None = None  # injected fault -> noticed, when the fault was ours
         self.t_start = time.time()
         self.telemetry = Telemetry(config.name, recorder.run_dir)
-        self._last_round_end: float | None = None  # for the ETA: the pace of the last round
+        self._last_round_end: float | None = None  # for the ETA: when the last round ended
+        self.pace = Pace()
         self.preempt_deadline: float | None = None  # set by SIGTERM (request_preemption)
         # Pipelined rounds: the round queued on the ranks behind the one being gathered, if any.
         # Whatever the driver must do between two rounds (grow, preempt, release preempted
@@ -639,9 +640,7 @@ class Controller:
         durable_steps = {c.step for c in candidates if c.tier == "durable"}
         if candidates and not self.warned_unpickle:
             self.warned_unpickle = True
-            print(f"airay: loading checkpoints from {self.ckpt.root}: DeepSpeed reads them with torch.load("
-                  "weights_only=False), which unpickles them and can run code: only load checkpoints you trust",
-                  file=sys.stderr, flush=True)
+            self.rec.event("checkpoint_trust", path=str(self.ckpt.root))
         for ckpt in candidates:
             t0 = time.time()
             faults = self.chaos.call("load", ckpt.step, size)
@@ -781,7 +780,8 @@ class Controller:
             self.ckpt.note_wait(step, metric["checkpoint_wait_s"])
             self.telemetry.step(metric, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
         self.data_log.record(start, values)
-        if self.pending_resize is not None:
+        resized = self.pending_resize is not None
+        if resized:
             p = self.pending_resize
             self.pending_resize = None
             record = self.rec.event("resize_finished", step=start, old_world_size=p.old_world_size,
@@ -789,10 +789,13 @@ class Controller:
                                     resumed_step=p.resumed_step, reason=p.reason,
                                     **{k: round(v, 4) for k, v in p.parts.items()})
             self.resizes.append(record)
-        pace = (now - self._last_round_end) / (end - start) if self._last_round_end is not None else step_time
-        self._last_round_end = now
-        self.rec.progress(progress_line(end, self.cfg.max_steps, loss, metric["samples_per_s"], metric["tokens_per_s"],
-                                        world, self.restarts, eta_s(self.cfg.max_steps - end, pace)))
+        # The ETA's pace: the wall between round ends (the driver's time included), not counting a
+        # round whose world was just formed (its recovery is not the pace of the steps to come).
+        last, self._last_round_end = self._last_round_end, now
+        self.pace.round(end - start, now - last if last is not None else step_time * (end - start), world,
+                        steady=last is not None and not resized)
+        self.rec.progress(Progress(end, self.cfg.max_steps, loss, metric["tokens_per_s"], metric["samples_per_s"],
+                                   world, self.pace.eta_s(self.cfg.max_steps - end), self.ckpt.last_durable_step))
 
     def _result(self, error: str | None) -> Result:
         end = time.time()

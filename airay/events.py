@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,16 @@ METRIC_FIELDS = ("step", "loss", "world_size", "global_batch_size", "samples_per
 
 
 class RunRecorder:
-    def __init__(self, run_dir: str | os.PathLike, echo: bool = True):
+    """Writes the run directory's records; with `echo`, shows the run on the console
+    (airay.observe.console: the story by default, every event with `verbose`)."""
+
+    def __init__(self, run_dir: str | os.PathLike, echo: bool = True, verbose: bool = False):
+        from airay.observe.console import Console
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.echo = echo
+        self.console = Console(verbose=verbose) if echo else None
+        self._lock = threading.Lock()  # Ray's message thread records too (airay.observe.ray_output)
         self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
 
@@ -35,9 +41,10 @@ class RunRecorder:
         if step is not None:
             record["step"] = step
         record.update(fields)
-        self._events.write(json.dumps(record) + "\n")
-        if self.echo:
-            print(console_line(type_, step, fields), flush=True)
+        with self._lock:
+            self._events.write(json.dumps(record) + "\n")
+            if self.console is not None:
+                self.console.event(record)
         return record
 
     def metric(self, **fields: Any) -> None:
@@ -46,9 +53,10 @@ class RunRecorder:
             raise ValueError(f"metric record lacks {missing}")
         self._metrics.write(json.dumps(fields) + "\n")
 
-    def progress(self, line: str) -> None:
-        if self.echo:
-            print(line, file=sys.stdout, flush=True)
+    def progress(self, progress) -> None:
+        """A round's end (an airay.observe.console.Progress)."""
+        if self.console is not None:
+            self.console.progress(progress)
 
     def write_result(self, result: dict[str, Any]) -> None:
         tmp = self.run_dir / "result.json.tmp"
@@ -56,6 +64,8 @@ class RunRecorder:
         os.replace(tmp, self.run_dir / "result.json")
 
     def close(self) -> None:
+        if self.console is not None:
+            self.console.close()
         self._events.close()
         self._metrics.close()
 

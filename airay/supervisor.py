@@ -97,8 +97,8 @@ def supervise(driver_argv: list[str], run_dir: str, max_restarts: int, launched_
                 return rc
             attempt += 1
             previous = exit_text(rc)
-            print(f"airay: the driver died ({previous}); restarting it ({attempt} of {max_restarts}) to resume "
-                  f"from the newest checkpoint in {run_dir}", file=sys.stderr, flush=True)
+            print(f"[airay] the driver died ({previous}); restarting it ({attempt} of {max_restarts}) to resume "
+                  f"from the newest checkpoint in {run_dir}", flush=True)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -123,16 +123,16 @@ def withdraw_request(address: str | None, timeout_s: float = 60.0) -> bool:
         proc = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True,
                               timeout=timeout_s, env={**os.environ, "PYTHONPATH": _pythonpath()})
     except subprocess.TimeoutExpired:
-        print(f"airay: could not withdraw the run's autoscaler request: no answer from {address} in "
+        print(f"[airay] could not withdraw the run's autoscaler request: no answer from {address} in "
               f"{timeout_s:.0f}s", file=sys.stderr)
         return False
     if proc.returncode == 3:  # "auto" found no cluster on this machine: the driver's own went with it
         return False
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        print(f"airay: could not withdraw the run's autoscaler request at {address}: {last}", file=sys.stderr)
+        print(f"[airay] could not withdraw the run's autoscaler request at {address}: {last}", file=sys.stderr)
         return False
-    print("airay: withdrew the run's autoscaler request (the cluster may scale down)", file=sys.stderr)
+    print("[airay] withdrew the run's autoscaler request (the cluster may scale down)", file=sys.stderr)
     return True
 
 
@@ -143,7 +143,7 @@ def kill_session(sid: int) -> None:
     except ProcessLookupError:
         pass  # nothing left
     except PermissionError as exc:
-        print(f"airay: could not clean up the driver's processes: {exc}", file=sys.stderr)
+        print(f"[airay] could not clean up the driver's processes: {exc}", file=sys.stderr)
 
 
 def give_up(run_dir: str, why: str, max_restarts: int) -> None:
@@ -160,4 +160,4 @@ def give_up(run_dir: str, why: str, max_restarts: int) -> None:
         recorder.write_result({"status": "failed", "error": error, "run_dir": run_dir, "ts": time.time()})
     finally:
         recorder.close()
-    print(f"airay: {error}", file=sys.stderr)
+    print(f"[airay] failed: {error}", file=sys.stderr)

@@ -10,7 +10,6 @@ TensorBoard's reader drops the orphaned later points of the earlier execution on
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -32,32 +31,32 @@ RUN_GAUGES = {
 }
 
 
-def progress_line(step: int, max_steps: int, loss: float, samples_per_s: float, tokens_per_s: float | None,
-                  world_size: int, restarts: int, eta_s: float | None) -> str:
-    """One plain line (no carriage return, no colour) so it reads the same in `ray job logs`."""
-    parts = [f"[airay] step {step}/{max_steps}", f"loss {loss:.4f}", f"samples/s {samples_per_s:.1f}"]
-    if tokens_per_s:
-        parts.append(f"tokens/s {tokens_per_s:.0f}")
-    parts += [f"world {world_size}", f"restarts {restarts}", f"eta {_duration(eta_s)}"]
-    return " ".join(parts)
+class Pace:
+    """Seconds per step for the ETA, smoothed over resizes: a round that began a new world
+    (its recovery or grow inside) does not count, and a world of another size starts from the
+    last pace scaled by the size ratio (the global batch is fixed: fewer ranks, longer steps)
+    until its own rounds are measured. An exponential mean of steady rounds' wall per step,
+    the driver's own time between rounds included."""
 
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self.s_per_step: float | None = None
+        self.world_size: int | None = None
 
-def eta_s(remaining_steps: int, recent_s_per_step: float | None) -> float | None:
-    """Time left at the recent pace (the last round's wall per step, driver overhead included)."""
-    if recent_s_per_step is None or recent_s_per_step <= 0:
-        return None
-    return remaining_steps * recent_s_per_step
+    def round(self, steps: int, seconds: float, world_size: int, steady: bool) -> None:
+        if steps <= 0 or seconds <= 0:
+            return
+        if self.s_per_step is not None and world_size != self.world_size:
+            self.s_per_step *= self.world_size / world_size
+        self.world_size = world_size
+        if not steady and self.s_per_step is not None:
+            return
+        pace = seconds / steps
+        self.s_per_step = pace if self.s_per_step is None else \
+            self.weight * pace + (1 - self.weight) * self.s_per_step
 
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "?"
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    def eta_s(self, remaining_steps: int) -> float | None:
+        return None if self.s_per_step is None else max(0, remaining_steps) * self.s_per_step
 
 
 class Telemetry:

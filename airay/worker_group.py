@@ -10,6 +10,7 @@ checkpoints, airay.checkpoint.actors). Nothing outside this module holds an acto
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +128,8 @@ class WorkerGroup:
             try:
                 info = ray.get(store.info.remote(), timeout=timeout_s)
             except (ray.exceptions.RayError, TimeoutError) as exc:  # the node is going: no store
-                print(f"airay: no checkpoint store on node {node[:8]}: {str(exc).splitlines()[0]}")
+                print(f"[airay] no checkpoint store on node {node[:8]}: {str(exc).splitlines()[0]}",
+                      file=sys.stderr)
                 continue
             self.stores[node] = store
             if info["foreign"] is not None:
@@ -541,7 +543,8 @@ class WorkerGroup:
             try:
                 remove_placement_group(pg)
             except Exception as exc:  # already gone with its node
-                print(f"airay: could not remove placement group {pg.id.hex()[:8]}: {type(exc).__name__}: {exc}")
+                print(f"[airay] could not remove placement group {pg.id.hex()[:8]}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
             self.pgs.remove(pg)
             released.append(pg.id.hex()[:8])
         return released
@@ -558,20 +561,21 @@ class WorkerGroup:
             try:
                 self.demand(0)  # the autoscaler may scale the run's nodes down again
             except Exception as exc:  # the cluster is going away: nothing left to withdraw from
-                print(f"airay: could not withdraw the autoscaler request: {exc}")
+                print(f"[airay] could not withdraw the autoscaler request: {exc}", file=sys.stderr)
         actors = [m.actor for m in self.active + self.pending + self.standby] + list(self.stores.values()) \
             + list(self._store_starts.values())
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception as exc:  # e.g. its node is gone with it
-                print(f"airay: could not kill an actor at shutdown: {type(exc).__name__}: {exc}")
+                print(f"[airay] could not kill an actor at shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
         self.active, self.pending, self.standby, self.stores, self._store_starts = [], [], [], {}, {}
         for pg in self.pgs:
             try:
                 remove_placement_group(pg)
             except Exception as exc:
-                print(f"airay: could not remove placement group {pg.id.hex()[:8]}: {type(exc).__name__}: {exc}")
+                print(f"[airay] could not remove placement group {pg.id.hex()[:8]}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
         pg_ids = {pg.id.hex() for pg in self.pgs}
         self.pgs = []
         deadline = time.time() + timeout_s

@@ -368,7 +368,7 @@ def test_a_killed_driver_is_restarted_and_the_run_finishes(cluster, tmp_path, ba
     proc = subprocess.run([sys.executable, "-m", "airay.cli", "run", str(spec_file)], capture_output=True,
                           text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": cluster.address})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "the driver died (SIGKILL); restarting it (1 of 3)" in proc.stderr
+    assert "[airay] the driver died (SIGKILL); restarting it (1 of 3)" in proc.stdout
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished" and result["final_step"] == STEPS and result["durable_step"] == STEPS
     all_events = read_jsonl(run_dir / "events.jsonl")

@@ -25,6 +25,7 @@ from airay.worker.device import assign_device
 from airay.worker.dist import NCCL_ENV, abort_nccl_groups, collective_counts, group_status, listen_socket, \
     rendezvous_store, reset_group_count, shutdown_sockets, tcp_socket_fds
 from airay.worker.failures import UserCodeError, describe, failure_kind, named
+from airay.worker.logs import name_rank, quiet_deepspeed
 from airay.worker.build import build_model, hf_zero3, partitioned
 from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
@@ -55,16 +56,14 @@ class TrainWorker:
     """
 
     def __init__(self, spec: dict[str, Any]):
-        import logging
         import warnings
 
         self.timeline = {"process_start_ts": process_start_ts(), "init_ts": time.time()}  # start-up parts
         import torch
 
-        # Keep `ray job logs` readable: DeepSpeed logs every engine build at INFO, and torch
-        # warns on every ZeRO collective about its own renamed APIs.
+        # Keep `ray job logs` readable: torch warns on every ZeRO collective about its own
+        # renamed APIs; DeepSpeed's own notices are quieted below (airay.worker.logs).
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
         self.config = JobConfig.from_dict(spec)
         self.model_factory = resolve_callable(self.config.model.factory)
@@ -77,6 +76,7 @@ class TrainWorker:
         # sees the same devices across world changes.
         self.assigned = assign_device(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.is_available())
         self.device, self.backend = self.assigned.device, self.assigned.backend
+        quiet_deepspeed(drives_gpu=self.device.startswith("cuda"))  # before DeepSpeed is imported
         if self.device.startswith("cuda"):
             torch.cuda.set_device(self.device)  # before any CUDA work: the context lives on this GPU
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -219,6 +219,8 @@ class TrainWorker:
                                    rank=rank, world_size=world_size, timeout=timeout)
         self._at(-1, 2, "join")
         t_pg = time.perf_counter()
+        if rank != self.rank:
+            name_rank(rank)
         self.rank, self.plan = rank, BatchPlan(**plan)
         reset_zero3_globals()
         from airay.worker.memory import peak_since, start_peak
@@ -310,7 +312,7 @@ class TrainWorker:
             try:
                 drop_engine(self.engine)
             except Exception as exc:  # a half-broken engine after a peer died; we drop it anyway
-                print(f"airay: rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
+                print(f"[airay] rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
             self.engine = None
             gc.collect()  # the dropped engine's state, before the next world's engine is built
         self._hf_zero3 = None
@@ -318,7 +320,7 @@ class TrainWorker:
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # DeepSpeed's wrapper on a broken world: torch's own call
-                print(f"airay: rank {self.rank}: leaving the world: {type(exc).__name__}: {exc}")
+                print(f"[airay] rank {self.rank}: leaving the world: {type(exc).__name__}: {exc}")
                 if tdist.is_initialized():
                     tdist.destroy_process_group()
         self.rank = None

@@ -1,0 +1,1 @@
+"""What a run shows of itself: the console (observe.console) and experiment tracking."""

@@ -72,7 +72,7 @@ def resize_text(r: dict[str, Any]) -> str:
 
 
 def lost_text(lost_s: dict[str, float]) -> str:
-    return ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in lost_s.items())
+    return ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in lost_s.items() if round(v, 1))
 
 
 def checkpoint_text(saved: list[dict[str, Any]]) -> str:

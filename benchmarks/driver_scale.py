@@ -15,7 +15,8 @@ regrow (the replacement joining). The fake group's own work inside those calls (
 rank's step records, writing the durable tier's files, its bookkeeping) is timed apart and
 subtracted: it stands for the ranks and Ray, not the driver. What stays is the controller, the
 Checkpointer, the durable tier, the event and metrics files and telemetry. Medians over calls.
-The console (the events' echo and progress lines) goes to a counter: its longest line is reported.
+The console (`-v`: every event, the most it prints, and the progress lines) goes to a counter: its
+longest line is reported.
 
 Usage: python benchmarks/driver_scale.py [--workers 64,512,4096] [--rounds 40] [--deaths 3]
            [--reduced] [--json FILE]
@@ -147,7 +148,7 @@ def measure(workers: int, rounds: int, deaths: int, save_every: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ctl = Controller(JobConfig.from_dict(job(workers, rounds, save_every, work)),
-                         RunRecorder(work / "run", echo=True), None, group_factory=make)
+                         RunRecorder(work / "run", echo=True, verbose=True), None, group_factory=make)
         for state in logs:
             setattr(ctl, f"_{state}", meter.timed_state(getattr(ctl, f"_{state}"), logs[state]))
         t0 = time.perf_counter()

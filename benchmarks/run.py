@@ -556,14 +556,20 @@ def _met_at(rows: list[dict], key: str, ok, label) -> str:
 
 
 def readme_demo(results: dict) -> list[str]:
+    """The demo's console as a user sees it; a run of progress lines shows its first and last."""
     demo = results["demo"]
-    lines = demo["result"]["text"].splitlines()
-    summary = [line for line in lines if line.startswith("airay: ")]
-    progress = [line for line in lines if line.startswith("[airay] step ")]
-    out = [f"It ends with a summary like this one, from a real run of {_ran(demo)}; the grow steps and times "
-           "depend on how fast replacements start:", "", "```", *summary, "```", ""]
-    if progress:
-        out.append(f"While it runs, each round prints a progress line (`{progress[-2 if len(progress) > 1 else -1]}`).")
+    shown: list[str] = []
+    run: list[str] = []
+    for line in [*demo["result"]["text"].splitlines(), None]:
+        if line is not None and line.startswith("[airay] step ") and "/" in line.split()[2]:
+            run.append(line)
+            continue
+        shown += run if len(run) <= 2 else [run[0], "...", run[-1]]
+        run = []
+        if line is not None:
+            shown.append(line)
+    out = [f"Its console, from a real run of {_ran(demo)}; the grow steps and times depend on how fast "
+           "replacements start, and `...` stands for progress lines left out here:", "", "```", *shown, "```", ""]
     if demo.get("source"):  # a result not produced by this script (see its "source")
         out.append("(Quoted from README before its figures were generated; `python -m benchmarks.run --only demo` "
                    "reruns it.)")

@@ -198,9 +198,9 @@ def test_demo_section_keeps_the_command_and_its_output(tmp_path, monkeypatch):
         assert cmd[1:5] == ["-m", "airay.cli", "run", "jobs/demo.yaml"] and cmd[5] == "--run-dir"
         Path(cmd[6], "result.json").parent.mkdir(parents=True)
         Path(cmd[6], "result.json").write_text(json.dumps({"goodput": 0.61}))
-        return "[airay] step 5/130 loss 5.0000 samples/s 1.0 world 4 restarts 0 eta 9s\n" \
-               "[airay] step 10/130 loss 4.0000 samples/s 1.0 world 4 restarts 0 eta 8s\n" \
-               "airay: finished at step 130, goodput 0.61\n"
+        return "".join(f"[airay] step {s}/130 | loss 5.0000 | world 4\n" for s in (5, 10, 15)) + \
+            "[airay] step 15: chaos: kill_worker (rank 1)\n[airay] step 11/130 | loss 5.0000 | world 3\n" \
+            "[airay] finished at step 130: goodput 0.61\n"
 
     monkeypatch.setattr(bench, "_run", fake_run)
     monkeypatch.setattr(bench, "machine", lambda: "m; versions")
@@ -208,5 +208,7 @@ def test_demo_section_keeps_the_command_and_its_output(tmp_path, monkeypatch):
     assert section["command"] == f"airay run jobs/demo.yaml --run-dir {tmp_path / 'demo'}"
     assert section["result"]["run_result"] == {"goodput": 0.61}
     text = "\n".join(bench.readme_demo({"demo": section}))
-    assert "```\nairay: finished at step 130, goodput 0.61\n```" in text
-    assert "`[airay] step 5/130" in text and f"`{section['command']}` (run on {section['date']}, m)" in text
+    assert ("```\n[airay] step 5/130 | loss 5.0000 | world 4\n...\n[airay] step 15/130 | loss 5.0000 | world 4\n"
+            "[airay] step 15: chaos: kill_worker (rank 1)\n[airay] step 11/130 | loss 5.0000 | world 3\n"
+            "[airay] finished at step 130: goodput 0.61\n```") in text
+    assert f"`{section['command']}` (run on {section['date']}, m)" in text

@@ -141,8 +141,8 @@ RENDER: dict[str, Callable[[dict[str, Any]], str | None]] = {
                                     f"against {duration(e.get('median_local_s'))}",
     "data_stall": lambda e: f"{_at(e)}the ranks waited for data {e.get('max_share', 0):.0%} of a step "
                             f"({duration(e.get('max_data_wait_s'))})",
-    "checkpoint_trust": lambda e: f"checkpoints in {e.get('path')} load through torch.load(weights_only=False) "
-                                  "(DeepSpeed's format), which can run code: load only checkpoints you trust",
+    "checkpoint_trust": lambda e: "note: checkpoints load through torch.load(weights_only=False) (DeepSpeed's "
+                                  "format), which can run code: load only checkpoints you trust",
     "resize_started": lambda e: None,
     "resize_finished": lambda e: resize_text(e),
     "checkpoint_failed": lambda e: f"{_at(e)}{e.get('tier')} checkpoint failed: {first_line(e.get('error'))}",
@@ -181,11 +181,22 @@ def render(event: dict[str, Any], first_world: bool = False) -> str | None:
 
 class Console:
     def __init__(self, stream: TextIO | None = None, verbose: bool = False, interactive: bool | None = None):
-        self.stream = stream or sys.stdout
+        """`stream`: default sys.stdout as it is at each line (a caller may redirect it)."""
+        self._stream = stream
         self.verbose = verbose
-        self.interactive = self.stream.isatty() if interactive is None else interactive
+        self._interactive = interactive
         self._bar = None
         self._worlds = 0
+
+    @property
+    def stream(self) -> TextIO:
+        return self._stream or sys.stdout
+
+    @property
+    def interactive(self) -> bool:
+        if self._interactive is None:
+            self._interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        return self._interactive
 
     def event(self, event: dict[str, Any]) -> None:
         if self.verbose:

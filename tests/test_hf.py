@@ -40,9 +40,10 @@ paced_build.builds_partitioned = True  # through hf.build: transformers partitio
 
 
 def spec(run_dir, stage, chaos=(), export=False, forward_delay_s=0.0, steps_per_round=4,
-         every_n_steps=4):
-    model = {"factory": "tests.test_hf:paced_build", "kwargs": {"config": LLAMA, "forward_delay_s": forward_delay_s}} \
-        if forward_delay_s else {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA}}
+         every_n_steps=4, **model_kwargs):
+    model = {"factory": "tests.test_hf:paced_build",
+             "kwargs": {"config": LLAMA, "forward_delay_s": forward_delay_s, **model_kwargs}} \
+        if forward_delay_s else {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA, **model_kwargs}}
     return JobConfig.from_dict({
         "name": run_dir.name, "model": model,
         "loss_fn": "airay.models.hf:loss",
@@ -74,8 +75,13 @@ def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pre
 
     from airay.export import export_hf
 
-    base = fit(spec(tmp_path / "base", 3), echo=False, local_cluster=cluster)
+    base = fit(spec(tmp_path / "base", 3, attn_implementation="sdpa"), echo=False, local_cluster=cluster)
     assert base.status == "finished" and base.world_sizes == [4]
+    # Gradient checkpointing recomputes the activations in the backward: the same losses (issue 30).
+    checkpointed = fit(spec(tmp_path / "gc", 3, attn_implementation="sdpa", gradient_checkpointing=True),
+                       echo=False, local_cluster=cluster)
+    assert checkpointed.status == "finished"
+    assert committed_losses(checkpointed.run_dir) == pytest.approx(committed_losses(base.run_dir), rel=1e-5)
     # Paced steps and rounds of 2: the killed rank's replacement joins at a round's end (4 -> 3 -> 4);
     # durable saves every 2 steps: the world of 3 writes one (at 6) before it grows.
     faulty = fit(spec(tmp_path / "kill", 3, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True,
@@ -125,6 +131,55 @@ def test_a_spec_with_a_missing_folder_or_unknown_model_fails_before_ray_names_th
     with pytest.raises(ValueError, match=r"model.factory airay.models.tiny_gpt:build builds a TinyGPT, not a "
                                          r"transformers PreTrainedModel"):
         build_fp32("airay.models.tiny_gpt:build", {})
+
+
+def test_the_from_pretrained_options_people_use_pass_through_and_unknown_keys_fail_naming_the_key(monkeypatch):
+    base = {"loss_fn": "airay.models.hf:loss", "global_batch_size": 4, "micro_batch_size": 2, "max_steps": 2}
+
+    def check(**kwargs):
+        return JobConfig.from_dict({**base, "model": {"factory": "airay.models.hf:build",
+                                                      "kwargs": {"config": LLAMA, **kwargs}}})
+
+    check(attn_implementation="eager", torch_dtype="bfloat16", gradient_checkpointing=True,
+          gradient_checkpointing_kwargs={"use_reentrant": False}, config_overrides={"attention_dropout": 0.0})
+    for kwargs, message in [({"attn_impl": "sdpa"}, r"model.kwargs: unknown \['attn_impl'\]; .* attn_implementation"),
+                            ({"dtype": "float32", "torch_dtype": "float32"}, r"`dtype` or its older name"),
+                            ({"torch_dtype": "float16"}, r"model.kwargs.torch_dtype: 'float16'"),
+                            ({"attn_implementation": "fast"}, r"model.kwargs.attn_implementation: 'fast'"),
+                            ({"trust_remote_code": "yes"}, r"model.kwargs.trust_remote_code: true or false"),
+                            ({"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+                             r"set gradient_checkpointing: true")]:
+        with pytest.raises(ConfigError, match=message):
+            check(**kwargs)
+    # What from_config receives: trust_remote_code only when the spec says so.
+    from transformers import AutoModelForCausalLM
+
+    seen = []
+    real = AutoModelForCausalLM.from_config
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda cfg, **kw: seen.append(kw) or real(cfg, **kw))
+    model = hf.build(config=LLAMA, torch_dtype="bfloat16", attn_implementation="eager",
+                     config_overrides={"num_hidden_layers": 1})
+    assert seen[-1] == {"dtype": torch.bfloat16, "attn_implementation": "eager"}
+    assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
+    assert len(model.model.layers) == 1  # config_overrides set on the config
+    hf.build(config=LLAMA, trust_remote_code=True)
+    assert seen[-1]["trust_remote_code"] is True
+
+
+def test_gradient_checkpointing_recomputes_each_layer_in_the_backward_with_the_same_gradients():
+    batch = {k: torch.stack([hf.synthetic_tokens(i, 0, vocab_size=128, seq_len=SEQ)[k] for i in range(2)])
+             for k in ("input_ids", "attention_mask")}
+    grads, calls = {}, {}
+    for gc in (False, True):
+        model = hf.build(seed=0, config=LLAMA, gradient_checkpointing=gc).train()
+        assert model.is_activation_checkpointing == gc and model.config.use_cache == (not gc)
+        count, mlp = [0], model.model.layers[0].mlp
+        forward = mlp.forward  # counted in the forward itself: the recompute runs without module hooks
+        mlp.forward = lambda *a, **kw: count.__setitem__(0, count[0] + 1) or forward(*a, **kw)
+        hf.loss(model, batch).backward()
+        calls[gc], grads[gc] = count[0], [p.grad.clone() for p in model.parameters()]
+    assert calls == {False: 1, True: 2}  # the forward again in the backward: its activations were not kept
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads[False], grads[True]))
 
 
 def test_bf16_mixed_precision_trains_through_a_kill_and_exports_fp32_master_weights(cluster, tmp_path):

@@ -80,6 +80,9 @@ def fit(config: JobConfig, echo: bool = True, local_cluster: LocalCluster | None
             **config.data.model_dump(mode="json"), "source": "dataset"}})
     else:
         config, stream = prepare(config)  # the dataset is checked (and max_steps resolved) before Ray starts
+    from airay.observe.mlflow_tracking import wanted
+
+    wanted(config)  # tracking asked for without MLflow installed: said before Ray starts
     run_dir = resolve_run_dir(config)
     recorder = RunRecorder(run_dir, echo=echo, verbose=verbose)
     config = config.model_copy(update={"run_dir": str(run_dir)})

@@ -1,7 +1,19 @@
-"""`airay` command line: `airay run JOB.yaml [--run-dir DIR] [--set key.path=value ...]`,
-`airay submit JOB.yaml` / `airay status` / `airay logs JOB_ID` (a job on a running cluster, see
-airay.submit), `airay export CHECKPOINT --hf OUT_DIR` (airay.export), `airay plot RUN_DIR` and `airay simulate [--gpus 1024,4096,16384 ...]` (goodput
-per recovery policy, see airay.simulate)."""
+"""`airay` command line.
+
+    airay run JOB.yaml [--run-dir DIR] [--set key.path=value ...] [-v] [--json]
+    airay submit JOB.yaml [--address URL] ...         a job on a running cluster (airay.submit)
+    airay status      RUN_DIR | --job ID  [--json]    progress, world, last fault, ETA, goodput
+    airay logs        RUN_DIR | --job ID  [--follow] [-v] [--json]
+    airay plot        RUN_DIR | --job ID  [--out PNG] [--json]
+    airay checkpoints RUN_DIR | LOCATION | --job ID  [--crc] [--json]      lists, never changes
+    airay prune       RUN_DIR | LOCATION | --job ID  --keep-last N [--keep STEP ...] [--dry-run] [--json]
+    airay export      RUN_DIR | CHECKPOINT | --job ID  --out DIR [--format hf] [--dtype ...] [--json]
+    airay simulate [--gpus 1024,4096,16384 ...] [--json]   goodput per recovery policy (airay.simulate)
+    airay --version
+
+Every command that reads a run takes its run directory or a submitted job's id (`--job`, with
+`--address`: the job's run directory, as its console named it, read on this machine).
+"""
 
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ def _summary(result) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="airay", description="Elastic DeepSpeed training on Ray")
+    parser.add_argument("--version", action="version", version=f"airay {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job spec to the end")
     run.add_argument("spec", help="job spec YAML")
@@ -54,25 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--run-dir", help="run directory on the cluster (default runs/NAME-TIMESTAMP there)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                         help="override a spec field, value parsed as YAML (repeatable)")
-    status = sub.add_parser("status", help="a run's progress, goodput and faults (RUN_DIR or --job JOB_ID)")
-    status.add_argument("run_dir", nargs="?", help="run directory")
-    status.add_argument("--job", help="a submitted job's id (from `airay submit`)")
-    status.add_argument("--address", help=addr_help)
-    logs = sub.add_parser("logs", help="a submitted job's output")
-    logs.add_argument("job_id")
-    logs.add_argument("--address", help=addr_help)
-    logs.add_argument("--follow", action="store_true", help="stream until the job ends")
+    status = sub.add_parser("status", help="a run's progress, world, last fault, ETA, goodput")
+    _reads_a_run(status, addr_help)
+    logs = sub.add_parser("logs", help="a run's events as the console shows them (--job: the job's output)")
+    _reads_a_run(logs, addr_help)
+    logs.add_argument("--follow", action="store_true", help="with --job: stream until the job ends")
+    logs.add_argument("-v", "--verbose", action="store_true", help="every event, not just the story")
     plot = sub.add_parser("plot", help="PNG of a run: loss, world size, throughput, faults, goodput")
-    plot.add_argument("run_dir")
+    _reads_a_run(plot, addr_help)
     plot.add_argument("--out", help="PNG path (default RUN_DIR/run.png)")
     cks = sub.add_parser("checkpoints", help="list a run's checkpoints: step, world size, tier, size, verified")
-    cks.add_argument("location", help="a run directory, or a checkpoint path or URI (s3://bucket/prefix, ...)")
+    _reads_a_run(cks, addr_help, "a run directory, or a checkpoint path or URI (s3://bucket/prefix, ...)")
     cks.add_argument("--crc", action="store_true", help="also read every file and check its CRC-32")
-    cks.add_argument("--keep", type=int, metavar="STEP", help="mark the checkpoint of STEP to keep (never pruned)")
-    cks.add_argument("--json", action="store_true", help="print the rows as JSON")
+    prune = sub.add_parser("prune", help="delete a run's durable checkpoints but the newest N and the kept ones")
+    _reads_a_run(prune, addr_help, "a run directory, or a checkpoint path or URI (s3://bucket/prefix, ...)")
+    prune.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N complete steps (at least 1)")
+    prune.add_argument("--keep", type=int, action="append", default=[], metavar="STEP",
+                       help="mark STEP's checkpoint to keep: never pruned, by this or by a run (repeatable)")
+    prune.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     exp = sub.add_parser("export", help="a checkpoint as a Hugging Face model folder (from_pretrained loads it)")
-    exp.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_NNNNNNNN, or a run directory (its newest step)")
-    exp.add_argument("--hf", required=True, metavar="OUT_DIR", help="the model folder to write")
+    _reads_a_run(exp, addr_help, "a run directory (its newest durable step) or RUN_DIR/checkpoints/step_NNNNNNNN")
+    exp.add_argument("--out", required=True, metavar="DIR", help="the model folder to write")
+    exp.add_argument("--format", choices=("hf",), default="hf", help="hf: a Hugging Face model folder")
     exp.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     exp.add_argument("--config", help="the run's config.yaml (default: found above the checkpoint)")
     sim = sub.add_parser("simulate", help="simulate weeks of training on a large fleet: goodput per policy")
@@ -93,30 +109,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "simulate":
         return _simulate(args)
-    if args.command == "export":
-        from airay.export import export_hf
-
+    if args.command == "submit":
+        return _submit(args)
+    if args.command in READERS:
         try:
-            out = export_hf(args.checkpoint, args.hf, args.dtype, args.config)
-        except (FileNotFoundError, ValueError, ConfigError) as exc:
+            return READERS[args.command](args)
+        except (ConfigError, FileNotFoundError, ValueError, OSError) as exc:
             print(f"airay: {exc}", file=sys.stderr)
             return 2
-        print(f"airay: wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it)")
-        return 0
-    if args.command == "checkpoints":
-        return _checkpoints(args)
-    if args.command in ("submit", "status", "logs"):
-        return _jobs(args)
-    if args.command == "plot":
-        from airay.plot import plot_run
-
-        try:
-            drawn = plot_run(args.run_dir, args.out)
-        except FileNotFoundError as exc:
-            print(f"airay: {exc}", file=sys.stderr)
-            return 2
-        print(f"airay: wrote {drawn['path']} ({drawn['title']})")
-        return 0
+        except (ConnectionError, RuntimeError) as exc:  # Ray's Job API: an unreachable dashboard, an unknown job
+            print(f"airay: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
 
     if args.command == "run":
         from airay import supervisor
@@ -171,43 +174,125 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _jobs(args) -> int:
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("airay")
+    except PackageNotFoundError:  # a checkout run without installing
+        return "unknown (not installed)"
+
+
+def _reads_a_run(p: argparse.ArgumentParser, addr_help: str, what: str = "the run directory") -> None:
+    """The one way every reading command names its run: RUN_DIR, or --job ID (and --address)."""
+    p.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help=what)
+    p.add_argument("--job", metavar="ID", help="a submitted job's id (from `airay submit`): its run directory")
+    p.add_argument("--address", help=addr_help)
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _run_dir(args) -> str:
+    if (args.run_dir is None) == (args.job is None):
+        raise ConfigError(f"`airay {args.command}` reads one run: give RUN_DIR or --job ID, not "
+                          f"{'both' if args.run_dir else 'neither'}")
+    if args.run_dir is not None:
+        return args.run_dir
     from airay import submit
 
-    if args.command == "status" and args.job is None:
-        if args.run_dir is None:
-            print("airay: give a run directory or --job JOB_ID", file=sys.stderr)
-            return 2
-        from airay.runview import load, status_text
+    return submit.job_run_dir(args.address, args.job)
 
-        try:
-            print(status_text(load(args.run_dir)))
-        except FileNotFoundError as exc:
-            print(f"airay: {exc}", file=sys.stderr)
-            return 2
-        return 0
+
+def _print_json(value) -> int:
+    print(json.dumps(value, indent=2, default=str))
+    return 0
+
+
+def _submit(args) -> int:
+    from airay import submit
+
     try:
-        if args.command == "submit":
-            job_id = submit.submit(args.address, args.spec, args.set, args.run_dir, args.working_dir)
-            print(job_id)
-            print(f"airay: follow it with `airay logs {job_id} --follow` or `airay status --job {job_id}`",
-                  file=sys.stderr)
-            return 0
-        if args.command == "status":
-            state, text = submit.job_status_text(args.address, args.job)
-            print(text)
-            return 0 if state != "FAILED" else 1
-        if args.follow:
-            return 0 if submit.follow_logs(args.address, args.job_id, sys.stdout) == "SUCCEEDED" else 1
-        print(submit.client(args.address).get_job_logs(args.job_id), end="")
-        return 0
+        job_id = submit.submit(args.address, args.spec, args.set, args.run_dir, args.working_dir)
     except ConfigError as exc:
         print(f"airay: {exc}", file=sys.stderr)
         return 2
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        # Ray's Job API reports an unreachable dashboard or an unknown job id this way.
         print(f"airay: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    print(job_id)
+    print(f"airay: follow it with `airay logs --job {job_id} --follow` or `airay status --job {job_id}`",
+          file=sys.stderr)
+    return 0
+
+
+def _status(args) -> int:
+    from airay import submit
+    from airay.runview import load, status_dict, status_text
+
+    job = None
+    if args.job is not None and args.run_dir is None:
+        state, text = submit.job_status_text(args.address, args.job)
+        job = {"job_id": args.job, "status": state, "text": text}
+        try:
+            run_dir = submit.job_run_dir(args.address, args.job)
+        except ConfigError as exc:  # not started yet, or on another machine: the job's own view
+            if args.json:
+                return _print_json({**job, "run": None, "why": str(exc)})
+            print(text)
+            return 0 if state != "FAILED" else 1
+    else:
+        run_dir = _run_dir(args)
+    view = load(run_dir)
+    if args.json:
+        return _print_json({**(job or {}), "run": status_dict(view)} if job else status_dict(view))
+    print("\n".join(([job["text"].splitlines()[0]] if job else []) + [status_text(view)]))
+    return 0 if job is None or job["status"] != "FAILED" else 1
+
+
+def _logs(args) -> int:
+    if args.job is not None and args.run_dir is None and not args.json:
+        from airay import submit
+
+        if args.follow:
+            return 0 if submit.follow_logs(args.address, args.job, sys.stdout) == "SUCCEEDED" else 1
+        print(submit.client(args.address).get_job_logs(args.job), end="")
+        return 0
+    from pathlib import Path
+
+    from airay.events import read_jsonl
+    from airay.observe.console import Console
+
+    events_file = Path(_run_dir(args)) / "events.jsonl"
+    if not events_file.is_file():
+        raise FileNotFoundError(f"{events_file.parent} is not a run directory (no events.jsonl)")
+    events = read_jsonl(events_file)
+    if args.json:
+        for e in events:
+            print(json.dumps(e))
+        return 0
+    console = Console(sys.stdout, verbose=args.verbose, interactive=False)
+    for e in events:
+        console.event(e)
+    return 0
+
+
+def _plot(args) -> int:
+    from airay.plot import plot_run
+
+    drawn = plot_run(_run_dir(args), args.out)
+    if args.json:
+        return _print_json({"path": str(drawn["path"]), "title": drawn["title"]})
+    print(f"airay: wrote {drawn['path']} ({drawn['title']})")
+    return 0
+
+
+def _export(args) -> int:
+    from airay.export import export_hf
+
+    out = export_hf(_run_dir(args), args.out, args.dtype, args.config)
+    if args.json:
+        return _print_json({"path": str(out), "format": args.format, "dtype": args.dtype})
+    print(f"airay: wrote {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it)")
+    return 0
 
 
 def checkpoint_tiers(location: str) -> list[tuple[str, str]]:
@@ -230,31 +315,19 @@ def checkpoint_tiers(location: str) -> list[tuple[str, str]]:
 
 
 def _checkpoints(args) -> int:
-    from airay.checkpoint.layout import KEEP_MARKER, step_name
-    from airay.checkpoint.storage import Storage
     from airay.checkpoint.tiers import describe, describe_memory
 
     rows = []
+    location = _run_dir(args)
     try:
-        for tier, where in checkpoint_tiers(args.location):
-            if tier == "memory":
-                rows += describe_memory(where)
-                continue
-            if args.keep is not None:
-                if not any(r["step"] == args.keep and r["status"] == "verified" for r in describe(where)):
-                    print(f"airay: no complete checkpoint of step {args.keep} in {Storage(where).uri()}",
-                          file=sys.stderr)
-                    return 2
-                Storage(where).write_bytes(f"{step_name(args.keep)}/{KEEP_MARKER}", b"")
-            rows += describe(where, args.crc)
+        for tier, where in checkpoint_tiers(location):
+            rows += describe_memory(where) if tier == "memory" else describe(where, args.crc)
     except (OSError, ValueError) as exc:
-        print(f"airay: cannot read checkpoints at {args.location}: {exc}", file=sys.stderr)
-        return 2
+        raise OSError(f"cannot read checkpoints at {location}: {exc}") from exc
     if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
+        return _print_json(rows)
     if not rows:
-        print(f"airay: no checkpoints at {args.location}")
+        print(f"airay: no checkpoints at {location}")
         return 0
     print(f"{'step':>8} {'world':>5} {'tier':>7} {'size':>10} {'status':>10}  path")
     for r in rows:
@@ -263,6 +336,41 @@ def _checkpoints(args) -> int:
         status = r["status"] + (" keep" if r["keep"] else "")
         print(f"{r['step']:>8} {world:>5} {r['tier']:>7} {size:>10} {status:>10}  {r['path']}")
     return 0
+
+
+def _prune(args) -> int:
+    """The durable tier's prune, as a run does it (DurableTier.prune): never a kept step, never
+    the newest complete one, never one newer than it (it may still be uploading)."""
+    from airay.checkpoint.layout import KEEP_MARKER, step_name
+    from airay.checkpoint.tiers import DurableTier, describe
+
+    if args.keep_last is None and not args.keep:
+        raise ConfigError("`airay prune` needs --keep-last N (delete all but the newest N complete steps) and/or "
+                          "--keep STEP (mark a step never to be deleted)")
+    if args.keep_last is not None and args.keep_last < 1:
+        raise ConfigError(f"--keep-last {args.keep_last}: at least 1 (the newest complete step is never deleted)")
+    durable = dict(checkpoint_tiers(_run_dir(args)))["durable"]
+    verified = {r["step"] for r in describe(durable) if r["status"] == "verified"}
+    missing = sorted(set(args.keep) - verified)
+    if missing:
+        raise ConfigError(f"--keep {missing}: no complete checkpoint of that step in {durable}")
+    tier = DurableTier.reading(durable)
+    if not args.dry_run:
+        for step in args.keep:
+            tier.storage.write_bytes(f"{step_name(step)}/{KEEP_MARKER}", b"")
+    doomed = tier.prune(args.keep_last, protect=set(args.keep), dry_run=args.dry_run) \
+        if args.keep_last is not None else []
+    if args.json:
+        return _print_json({"location": tier.storage.uri(), "kept_marked": args.keep, "deleted": doomed,
+                            "dry_run": args.dry_run})
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"airay: {verb} {len(doomed)} step(s) in {tier.storage.uri()}: {doomed}"
+          + (f"; marked to keep: {args.keep}" if args.keep and not args.dry_run else ""))
+    return 0
+
+
+READERS = {"status": _status, "logs": _logs, "plot": _plot, "checkpoints": _checkpoints, "prune": _prune,
+           "export": _export}
 
 
 def _simulate(args) -> int:

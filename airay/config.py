@@ -380,6 +380,28 @@ class HealthSpec(_Spec):
         "newest checkpoint in the run directory. 0: no supervision")
 
 
+class MlflowSpec(_Spec):
+    """An MLflow run for this airay run (airay.observe.mlflow_tracking). Also on when
+    MLFLOW_TRACKING_URI is set, with MLflow's own environment variables for what is not given."""
+
+    tracking_uri: str | None = Field(None, description="e.g. sqlite:///mlflow.db, ./mlruns, http://host:5000; "
+                                     "default MLFLOW_TRACKING_URI")
+    experiment: str | None = Field(None, description="default MLFLOW_EXPERIMENT_NAME, else the job's name")
+    run_name: str | None = Field(None, description="default the run directory's name")
+
+    @model_validator(mode="after")
+    def _installed(self) -> "MlflowSpec":
+        import importlib.util
+
+        if importlib.util.find_spec("mlflow") is None:
+            raise ValueError("tracking.mlflow: MLflow is not installed; pip install 'airay[mlflow]'")
+        return self
+
+
+class TrackingSpec(_Spec):
+    mlflow: MlflowSpec | None = None
+
+
 class JobConfig(_Spec):
     """A training job: model, data, DeepSpeed, batch, scaling, checkpoints and faults."""
 
@@ -409,6 +431,7 @@ class JobConfig(_Spec):
     cluster: LocalClusterSpec | None = None
     timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     run_dir: str | None = Field(None, description="default: ./runs/NAME-TIMESTAMP")
 
     @field_validator("deepspeed")

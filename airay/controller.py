@@ -14,11 +14,14 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import yaml
+
 from airay import goodput, policy
 from airay.chaos_hook import ChaosHook
 from airay.checkpoint.layout import CheckpointInfo, job_identity
 from airay.checkpoint.loading import CheckpointIncompatible, CheckpointUnavailable
 from airay.checkpoint.manager import Checkpointer
+from airay.checkpoint.storage import mask_secrets
 from airay.checkpoint.tiers import memory_base
 from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
@@ -26,6 +29,7 @@ from airay.data.pipeline import DataLog, Feeder, Stream
 from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
     merge_pipelined, node_mates, summarize_failures
 from airay.local_cluster import LocalCluster
+from airay.observe import mlflow_tracking
 from airay.observe.console import Progress
 from airay.telemetry import Pace, Telemetry
 from airay.worker_group import WorkerGroup
@@ -142,6 +146,8 @@ class Controller:
         self.detection_s: float | None = None  # injected fault -> noticed, when the fault was ours
         self.t_start = time.time()
         self.telemetry = Telemetry(config.name, recorder.run_dir)
+        where = mlflow_tracking.wanted(config)  # an MLflow run for this run (airay.observe.mlflow_tracking)
+        self.tracker = mlflow_tracking.MlflowTracker(where, recorder.run_dir, recorder) if where else None
         self._last_round_end: float | None = None  # for the ETA: when the last round ended
         self.pace = Pace()
         self.preempt_deadline: float | None = None  # set by SIGTERM (request_preemption)
@@ -183,6 +189,8 @@ class Controller:
         started = self.rec.event("run_started", run_dir=str(self.rec.run_dir), max_steps=self.cfg.max_steps,
                                  global_batch_size=self.cfg.global_batch_size, **restart,
                                  **{k: round(v, 4) for k, v in self.launch.items()})
+        if self.tracker is not None:  # the resolved spec, credentials masked as in config.yaml
+            self.tracker.start(yaml.safe_load(mask_secrets(self.cfg.to_yaml())))
         # A restarted driver continues its run: wall time from the run's start (airay.goodput.run_spans).
         spans = goodput.run_spans(self.earlier_events, []) if restart else []
         self.t_start = spans[-1][0] if spans else goodput.run_start(started)
@@ -758,6 +766,7 @@ class Controller:
         world = len(values)
         gbs = self.cfg.global_batch_size
         now = time.time()
+        records = []
         for i, step in enumerate(range(start, end)):
             per_rank = [v[i] for v in values]
             loss = sum(r["loss_sum"] for r in per_rank) / gbs
@@ -777,9 +786,12 @@ class Controller:
                           # When the step ended (its slowest rank), not when the round came back.
                           ts=max(r.get("end_ts", now) for r in per_rank))
             self.rec.metric(**metric)
+            records.append(metric)
             self.ckpt.note_wait(step, metric["checkpoint_wait_s"])
             self.telemetry.step(metric, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
         self.data_log.record(start, values)
+        if self.tracker is not None:
+            self.tracker.steps(records, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
         resized = self.pending_resize is not None
         if resized:
             p = self.pending_resize
@@ -823,4 +835,6 @@ class Controller:
             self.rec.event("run_failed" if status == "failed" else "driver_failed", step=self.step, error=error,
                            traceback=self.traceback, durable_step=result.durable_step)
         self.rec.write_result(asdict(result))
+        if self.tracker is not None:
+            self.tracker.finish(asdict(result), status)
         return result

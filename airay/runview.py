@@ -16,6 +16,7 @@ import yaml
 
 from airay import goodput
 from airay.events import read_jsonl
+from airay.observe.console import duration
 
 FAULT_EVENTS = ("worker_failed", "node_lost", "hang_detected", "data_block_lost", "driver_restarted",
                 "checkpoint_failed")
@@ -66,6 +67,39 @@ def load(run_dir: str | os.PathLike) -> RunView:
         error=error)
 
 
+def durable_step(view: RunView) -> int | None:
+    steps = [e["step"] for e in view.checkpoints if e.get("tier", "durable") == "durable"]
+    return max(steps) if steps else None
+
+
+def eta_s(view: RunView, window: int = 20) -> float | None:
+    """Time left at the pace of the last `window` committed steps: the median time between their
+    ends, so a recovery among them (one long gap) does not count as the pace."""
+    import statistics
+
+    ends = sorted(m["ts"] for m in view.kept.values())[-window:]
+    if view.max_steps is None or len(ends) < 2:
+        return None
+    done = max(view.kept) + 1
+    return max(0, view.max_steps - done) * statistics.median(b - a for a, b in zip(ends, ends[1:]))
+
+
+def status_dict(view: RunView) -> dict[str, Any]:
+    """`airay status --json`: the run's state as the text shows it, as values."""
+    last = view.metrics[-1] if view.metrics else {}
+    g = view.goodput
+    return {"run_dir": str(view.run_dir), "name": view.name, "status": view.status,
+            "step": max(view.kept) + 1 if view.kept else 0, "max_steps": view.max_steps,
+            "loss": last.get("loss"), "world_size": last.get("world_size"), "tokens_per_s": last.get("tokens_per_s"),
+            "samples_per_s": last.get("samples_per_s"),
+            "eta_s": eta_s(view) if view.status == "running" else None, "durable_step": durable_step(view),
+            "last_fault": {**view.faults[-1], "text": fault_text(view.faults[-1])} if view.faults else None,
+            "restarts": view.restarts, "goodput": g.goodput if g else None,
+            "wall_s": g.wall_s if g else None, "time_lost_s": g.lost_s if g else None,
+            "resizes": [{k: r.get(k) for k in ("step", "old_world_size", "new_world_size", "reason", "recovery_s")}
+                        for r in view.resizes], "error": view.error}
+
+
 def resize_text(r: dict[str, Any]) -> str:
     return (f"resize {r['old_world_size']} -> {r['new_world_size']} ({r.get('reason')}) at step "
             f"{r.get('resumed_step')}: recovery {r['recovery_s']:.2f}s")
@@ -100,7 +134,10 @@ def status_text(view: RunView) -> str:
     last = view.metrics[-1] if view.metrics else None
     step = max(view.kept) + 1 if view.kept else 0
     lines = [f"run {view.name} ({view.run_dir}): {view.status}, step {step}/{view.max_steps or '?'}, "
-             f"wall {g.wall_s:.1f}s"]
+             f"wall {g.wall_s:.1f}s" + (f", eta {duration(eta_s(view))}" if view.status == "running" else "")
+             + f", newest durable step {durable_step(view) if durable_step(view) is not None else 'none'}"]
+    if view.faults:
+        lines.append(f"last fault at {view.faults[-1]['ts'] - view.t0:.1f}s: {fault_text(view.faults[-1])}")
     if last is not None:
         tokens = f", tokens/s {last['tokens_per_s']:.0f}" if last.get("tokens_per_s") else ""
         split = ""

@@ -8,6 +8,7 @@ cluster imports this checkout's `airay` and the user's model code from it on eve
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -72,9 +73,27 @@ def submit(address: str | None, spec: str, overrides: list[str], run_dir: str | 
 
 
 def last_progress(logs: str) -> str | None:
-    """The newest progress line of a job's output (see airay.telemetry.progress_line)."""
-    lines = [line for line in logs.splitlines() if line.startswith("[airay] step ")]
+    """The newest progress line of a job's output (airay.observe.console.progress_text)."""
+    lines = [line for line in logs.splitlines() if PROGRESS.match(line)]
     return lines[-1] if lines else None
+
+
+PROGRESS = re.compile(r"^\[airay\] step \d+/\d+ \| ")
+RUN_DIRECTORY = re.compile(r"^\[airay\] run directory (\S+?),? ")  # the console's first line (run_started)
+
+
+def job_run_dir(address: str | None, job_id: str) -> str:
+    """A submitted job's run directory, as its console named it, where this machine can read it."""
+    logs = client(address).get_job_logs(job_id)
+    found = next((m.group(1) for m in map(RUN_DIRECTORY.match, logs.splitlines()) if m), None)
+    if found is None:
+        raise ConfigError(f"job {job_id} has not named its run directory yet (its run has not started); "
+                          f"`airay logs --job {job_id}` shows its output so far")
+    if not (Path(found) / "events.jsonl").is_file():
+        raise ConfigError(f"job {job_id}'s run directory {found} is not on this machine (it is where the job's "
+                          "driver runs, the cluster's head node): run this there, or give --run-dir a shared path "
+                          "at submit")
+    return found
 
 
 def job_status_text(address: str | None, job_id: str) -> tuple[str, str]:
@@ -87,7 +106,10 @@ def job_status_text(address: str | None, job_id: str) -> tuple[str, str]:
     progress = last_progress(logs)
     if progress:
         lines.append(progress)
-    lines += [line for line in logs.splitlines() if line.startswith("airay: ")]
+    # the summary: the lines after the last progress line, the run's end
+    ends = [i for i, line in enumerate(logs.splitlines()) if line.startswith(("[airay] finished at", "[airay] failed at",
+                                                                               "[airay] preempted at"))]
+    lines += logs.splitlines()[ends[-1]:] if ends else []
     if info.message and status != "SUCCEEDED":
         lines.append(f"message: {info.message}")
     return status, "\n".join(lines)

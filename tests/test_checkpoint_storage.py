@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from airay.checkpoint import reshard
-from airay.checkpoint.layout import KEEP_MARKER, MANIFEST, OWNER, CheckpointInfo, FileEntry, Manifest, \
+from airay.checkpoint.layout import step_of, KEEP_MARKER, MANIFEST, OWNER, CheckpointInfo, FileEntry, Manifest, \
     job_identity, load_order, private_dir, step_name
 from airay.checkpoint.loading import CheckpointUnavailable, Source, fetch_verified
 from airay.checkpoint.manager import UploadQueue
@@ -222,7 +222,7 @@ def test_bf16_at_zero_stage_0_cannot_change_world_size():
                          "scaling": {"min_workers": 1, "max_workers": 2}})
 
 
-def test_cli_lists_both_tiers_with_status_and_marks_keep(tmp_path, capsys):
+def test_cli_lists_both_tiers_with_status_and_prune_marks_keep_and_deletes(tmp_path, capsys):
     from airay.cli import main
 
     run = tmp_path / "run"
@@ -239,7 +239,9 @@ def test_cli_lists_both_tiers_with_status_and_marks_keep(tmp_path, capsys):
     node.step_dir(15).mkdir()
     (node.step_dir(15) / reshard.MODEL_FILE).write_bytes(b"m" * 10)
     node.commit(15, write_step(Storage(str(tmp_path / "scratch")), 15).to_json())
-    assert main(["checkpoints", str(run), "--crc", "--keep", "10", "--json"]) == 0
+    assert main(["prune", str(run), "--keep", "10", "--json"]) == 0  # marks, deletes nothing
+    assert json.loads(capsys.readouterr().out)["deleted"] == []
+    assert main(["checkpoints", str(run), "--crc", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["tier"], r["step"], r["status"], r["world_size"], r["keep"]) for r in rows] == [
         ("memory", 15, "committed", 2, False), ("durable", 25, "incomplete", None, False),
@@ -247,7 +249,21 @@ def test_cli_lists_both_tiers_with_status_and_marks_keep(tmp_path, capsys):
     assert main(["checkpoints", str(run / "checkpoints")]) == 0
     out = capsys.readouterr().out
     assert "incomplete" in out and "verified keep" in out and "memory" not in out
-    assert main(["checkpoints", str(run), "--keep", "15"]) == 2  # not a durable checkpoint
+    assert main(["prune", str(run), "--keep", "15"]) == 2  # not a durable checkpoint
+    assert "--keep [15]: no complete checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # listing changes nothing: it has no such option
+        main(["checkpoints", str(run), "--keep", "10"])
+    capsys.readouterr()
+    # Prune as a run prunes: the newest complete step stays, the kept one stays, nothing newer goes.
+    write_step(durable, 30)
+    write_step(durable, 40)
+    assert main(["prune", "--dry-run", "--keep-last", "1", "--json", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"location": durable.uri(), "kept_marked": [],
+                                                   "deleted": [30, 25, 20], "dry_run": True}
+    assert sorted(step_of(n) for n in durable.list_dirs()) == [10, 20, 25, 30, 40]
+    assert main(["prune", str(run), "--keep-last", "1"]) == 0
+    assert "deleted 3 step(s)" in capsys.readouterr().out
+    assert sorted(step_of(n) for n in durable.list_dirs()) == [10, 40]  # 25 was incomplete and older than 40
 
 
 def test_cli_lists_an_s3_prefix(s3, capsys):

@@ -100,8 +100,11 @@ def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pre
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     assert step_loss(model, step) == pytest.approx(got[step], rel=1e-5)
     # A run directory exports its newest durable step: the final one, other weights.
-    final = AutoModelForCausalLM.from_pretrained(export_hf(faulty.run_dir, tmp_path / "final"),
-                                                 local_files_only=True).eval()
+    # (`airay export RUN_DIR --out DIR`, as every command takes a run.)
+    from airay.cli import main
+
+    assert main(["export", faulty.run_dir, "--out", str(tmp_path / "final"), "--json"]) == 0
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final", local_files_only=True).eval()
     assert step_loss(final, step) != pytest.approx(got[step], rel=1e-3)
     # checkpoint.export_hf: the run wrote the same folder itself when it finished, from a task.
     (exported,) = [e for e in read_jsonl(f"{faulty.run_dir}/events.jsonl") if e["type"] == "exported"]

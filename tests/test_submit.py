@@ -48,19 +48,28 @@ def test_submit_follow_and_read_the_result(ray_head, tmp_path):
                 "--set", "max_steps=12")
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().splitlines()[-1]
-    assert job_id and "airay logs" in sub.stderr
+    assert job_id and f"airay logs --job {job_id} --follow" in sub.stderr
 
-    logs = airay("logs", job_id, "--address", ray_head, "--follow")
+    logs = airay("logs", "--job", job_id, "--address", ray_head, "--follow")
     assert logs.returncode == 0, logs.stdout[-3000:] + logs.stderr[-3000:]
-    progress = [line for line in logs.stdout.splitlines() if line.startswith("[airay] step ")]
-    assert progress[-1].startswith("[airay] step 12/12 loss ")
-    assert all("\r" not in line and "\x1b" not in line for line in progress)
-    for part in ("samples/s", "tokens/s", "world", "restarts", "eta"):
+    progress = [line for line in logs.stdout.splitlines() if line.startswith("[airay] step 12/12 |")]
+    assert progress and progress[-1].startswith("[airay] step 12/12 | loss ")
+    assert all("\r" not in line and "\x1b" not in line for line in progress)  # not a terminal: plain lines
+    for part in ("tokens/s", "world", "eta"):
         assert part in progress[-1]
 
     status = airay("status", "--job", job_id, "--address", ray_head)
     assert status.returncode == 0 and f"job {job_id}: SUCCEEDED" in status.stdout
-    assert "[airay] step 12/12" in status.stdout and "airay: finished at step 12" in status.stdout
+    assert "finished, step 12/12" in status.stdout  # the run directory's view, found through the job
+    # Every reading command takes --job the same way (its run directory, readable here) and --json.
+    status = json.loads(airay("status", "--job", job_id, "--address", ray_head, "--json").stdout)
+    assert status["status"] == "SUCCEEDED" and status["run"]["step"] == 12 and status["run"]["run_dir"] == str(run_dir)
+    events = airay("logs", "--job", job_id, "--address", ray_head, "--json").stdout.splitlines()
+    assert json.loads(events[0])["type"] == "run_started" and json.loads(events[-1])["type"] == "run_finished"
+    rows = json.loads(airay("checkpoints", "--job", job_id, "--address", ray_head, "--json").stdout)
+    assert rows and rows[0]["step"] == 12 and rows[0]["status"] in ("verified", "committed")
+    drawn = airay("plot", "--job", job_id, "--address", ray_head, "--out", str(tmp_path / "p.png"), "--json")
+    assert json.loads(drawn.stdout)["path"] == str(tmp_path / "p.png"), drawn.stderr
 
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished" and result["final_step"] == 12 and result["restarts"] == 1

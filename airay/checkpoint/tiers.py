@@ -144,6 +144,14 @@ class DurableTier:
         if self.storage.is_local:
             Path(self.storage.base).mkdir(parents=True, exist_ok=True)
 
+    @classmethod
+    def reading(cls, location: str) -> "DurableTier":
+        """The tier at `location` opened to read or prune (`airay checkpoints`, `airay prune`), not
+        to write a run's checkpoints: no owner claimed, nothing created."""
+        tier = cls.__new__(cls)
+        tier.storage, tier.job = Storage(location), {}
+        return tier
+
     @property
     def location(self) -> str:
         return self.storage.location
@@ -190,10 +198,10 @@ class DurableTier:
         self.storage.write_bytes(f"{name}/{MANIFEST}", manifest.to_json().encode())
         return manifest.created
 
-    def prune(self, keep_last: int, protect: set[int] = frozenset()) -> list[int]:
+    def prune(self, keep_last: int, protect: set[int] = frozenset(), dry_run: bool = False) -> list[int]:
         """Delete all but the newest `keep_last` complete steps (and incomplete older ones), never
         one marked KEEP, one in `protect`, or one newer than the newest complete step (it may
-        still be uploading). Returns the steps deleted."""
+        still be uploading). Returns the steps deleted (`dry_run`: that would be)."""
         removed, complete_seen, newest_seen = [], 0, False
         for name in sorted((n for n in self.storage.list_dirs() if n.startswith("step_")), reverse=True):
             info = self.verify(name)
@@ -204,7 +212,8 @@ class DurableTier:
             if not newest_seen or step in protect or (info is not None and info.keep):
                 continue
             if info is None or complete_seen > max(1, keep_last):
-                self.storage.delete_dir(name)
+                if not dry_run:
+                    self.storage.delete_dir(name)
                 removed.append(step)
         return removed
 
@@ -222,9 +231,8 @@ def describe(location: str, check_crc: bool = False) -> list[dict]:
     differs), rejected (set aside by a run). For `airay checkpoints`, which may read every byte."""
     import zlib
 
-    storage = Storage(location)
-    tier = DurableTier.__new__(DurableTier)
-    tier.storage, tier.job = storage, {}
+    tier = DurableTier.reading(location)
+    storage = tier.storage
     rows = []
     names = sorted((n for n in storage.list_dirs() if n.startswith(("step_", "rejected_step_"))),
                    key=lambda n: (step_of(n), n), reverse=True)

@@ -10,12 +10,12 @@ file or under `ray job submit` each progress update is a plain line.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 from airay.events import console_line
-from airay.runview import resize_text
 
 LINE_MAX = 200
 NODE_CHARS = 8  # a node id as `ray list nodes` users recognise it: its first characters, like a git hash
@@ -120,7 +120,7 @@ def _budget(e: dict[str, Any]) -> str | None:
 
 # Event type -> its line (None: events.jsonl only). Types not listed print bounded, as in verbose.
 RENDER: dict[str, Callable[[dict[str, Any]], str | None]] = {
-    "run_started": lambda e: f"run directory {e.get('run_dir')}, {e.get('max_steps')} steps of "
+    "run_started": lambda e: f"run directory {os.path.abspath(e.get('run_dir') or '.')}, {e.get('max_steps')} steps of "
                              f"{e.get('global_batch_size')} samples",
     "resuming": lambda e: f"resuming from step {e.get('step')} ({e.get('tier')} checkpoint)",
     "driver_restarted": lambda e: f"driver restarted (attempt {e.get('attempt')}) after {e.get('previous_exit')}",
@@ -144,7 +144,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], str | None]] = {
     "checkpoint_trust": lambda e: "note: checkpoints load through torch.load(weights_only=False) (DeepSpeed's "
                                   "format), which can run code: load only checkpoints you trust",
     "resize_started": lambda e: None,
-    "resize_finished": lambda e: resize_text(e),
+    "resize_finished": lambda e: _resize_text(e),
     "checkpoint_failed": lambda e: f"{_at(e)}{e.get('tier')} checkpoint failed: {first_line(e.get('error'))}",
     "checkpoint_rejected": lambda e: f"{_at(e)}checkpoint file {e.get('file')} rejected ({e.get('reason')}), "
                                      "another copy used" if e.get("fell_back") else
@@ -166,6 +166,12 @@ QUIET = ("placement", "workers_placed", "placement_released", "world_formed", "w
          "checkpoint_retry", "checkpoint_upload_skipped")
 for _type in QUIET:
     RENDER.setdefault(_type, lambda e: None)
+
+
+def _resize_text(e: dict[str, Any]) -> str:
+    from airay.runview import resize_text  # it imports this module (duration)
+
+    return resize_text(e)
 
 
 def render(event: dict[str, Any], first_world: bool = False) -> str | None:

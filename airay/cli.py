@@ -286,6 +286,11 @@ def _plot(args) -> int:
 
 
 def _export(args) -> int:
+    import torch
+
+    from airay.worker.logs import quiet_deepspeed
+
+    quiet_deepspeed(drives_gpu=torch.cuda.is_available())  # DeepSpeed logs to stdout: keep it for the result
     from airay.export import export_hf
 
     out = export_hf(_run_dir(args), args.out, args.dtype, args.config)

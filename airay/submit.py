@@ -4,16 +4,22 @@
 JOB.yaml` with the spec checked first (a bad spec fails here, before anything is uploaded) and
 the run directory's uploads trimmed. The project directory is the job's working_dir, so the
 cluster imports this checkout's `airay` and the user's model code from it on every node.
+
+The job's run directory is chosen at submission (the default runs/NAME-TIMESTAMP is named then)
+and recorded in the job's metadata, so `--job ID` finds it: read on this machine where it is
+here (an absolute path on a shared filesystem, or a local cluster's unpacked working_dir), else
+it is on the cluster.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from airay.config import ConfigError, JobConfig
+from airay.config import ConfigError, JobConfig, run_dir_for
 
 # Not uploaded with the working_dir: run outputs (checkpoints can be large) and VCS data.
 EXCLUDES = ["runs/", ".git/", "**/__pycache__/", "*.egg-info/", ".pytest_cache/"]
@@ -42,6 +48,7 @@ def prepare(spec: str, overrides: list[str], run_dir: str | None, working_dir: s
         raise ConfigError(f"job spec {spec} is outside the working directory {work}, so the cluster would not "
                           "get it; copy it under the project (e.g. jobs/) or pass --working-dir") from None
     config = JobConfig.from_yaml(path, overrides + ([f"run_dir={run_dir}"] if run_dir else []))
+    run_dir = str(run_dir_for(config.name, config.run_dir))  # named now, so the job's metadata can say it
     if config.needs_local_cluster:
         raise ConfigError(f"{spec}: chaos remove_node/add_node act on raylets airay starts itself (a local "
                           "cluster); on a running cluster use kill_worker faults only")
@@ -51,7 +58,8 @@ def prepare(spec: str, overrides: list[str], run_dir: str | None, working_dir: s
     return {"entrypoint": entrypoint(rel.as_posix(), overrides, run_dir),
             "runtime_env": {"working_dir": str(work), "excludes": EXCLUDES,
                             "env_vars": {"PYTHONUNBUFFERED": "1"}},
-            "metadata": {"airay_job": config.name},
+            "metadata": {"airay_job": config.name, "airay_run_dir": run_dir,
+                         "airay_checkpoint_path": config.checkpoint.path or ""},
             "config": config}
 
 
@@ -79,21 +87,86 @@ def last_progress(logs: str) -> str | None:
 
 
 PROGRESS = re.compile(r"^\[airay\] step \d+/\d+ \| ")
-RUN_DIRECTORY = re.compile(r"^\[airay\] run directory (\S+?),? ")  # the console's first line (run_started)
 
 
 def job_run_dir(address: str | None, job_id: str) -> str:
-    """A submitted job's run directory, as its console named it, where this machine can read it."""
-    logs = client(address).get_job_logs(job_id)
-    found = next((m.group(1) for m in map(RUN_DIRECTORY.match, logs.splitlines()) if m), None)
-    if found is None:
-        raise ConfigError(f"job {job_id} has not named its run directory yet (its run has not started); "
-                          f"`airay logs --job {job_id}` shows its output so far")
-    if not (Path(found) / "events.jsonl").is_file():
-        raise ConfigError(f"job {job_id}'s run directory {found} is not on this machine (it is where the job's "
-                          "driver runs, the cluster's head node): run this there, or give --run-dir a shared path "
-                          "at submit")
-    return found
+    """A submitted job's run directory, where this machine can read it (see job_run)."""
+    job = job_run(address, job_id)
+    if job.here is None:
+        raise ConfigError(job.not_here())
+    return job.here
+
+
+@dataclass
+class JobRun:
+    """A submitted job and the run directory it trains in."""
+
+    job_id: str
+    status: str  # Ray's: PENDING, RUNNING, SUCCEEDED, FAILED, STOPPED
+    entrypoint: str
+    message: str | None
+    run_dir: str | None  # as the job names it: absolute, or relative to its working directory on the cluster
+    here: str | None  # that directory on this machine, where it can be read here
+    checkpoint_path: str | None  # the spec's checkpoint.path, where it names one
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def not_here(self) -> str:
+        """Why the run's files cannot be read here, and what to do."""
+        if self.run_dir is None:
+            return (f"job {self.job_id} names no run directory (not submitted by `airay submit`, and its "
+                    "entrypoint has no --run-dir); give its RUN_DIR instead of --job")
+        where = "in the job's working directory on the cluster" if not Path(self.run_dir).is_absolute() \
+            else "on the cluster"
+        return (f"job {self.job_id}'s run directory {self.run_dir} is {where}, not on this machine (yet); run "
+                "this on the cluster's head node with RUN_DIR, or submit with --run-dir on a filesystem this "
+                "machine shares")
+
+
+def job_run(address: str | None, job_id: str) -> JobRun:
+    """The job's status and run directory (from the metadata `airay submit` records, else the
+    entrypoint's --run-dir). Raises RuntimeError for an unknown job, ConnectionError for a
+    dashboard out of reach (Ray's Job API)."""
+    info = client(address).get_job_info(job_id)
+    meta = info.metadata or {}
+    run_dir = meta.get("airay_run_dir") or _option(info.entrypoint, "--run-dir")
+    return JobRun(job_id=job_id, status=str(getattr(info.status, "value", info.status)),
+                  entrypoint=info.entrypoint, message=info.message, run_dir=run_dir,
+                  here=run_dir_here(run_dir, (info.runtime_env or {}).get("working_dir")),
+                  checkpoint_path=meta.get("airay_checkpoint_path") or None)
+
+
+def _option(entrypoint: str, name: str) -> str | None:
+    try:
+        args = shlex.split(entrypoint or "")
+    except ValueError:
+        return None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg[len(name) + 1:]
+    return None
+
+
+def run_dir_here(run_dir: str | None, working_dir_uri: str | None) -> str | None:
+    """The job's run directory as this machine sees it, or None: an absolute path that is a run
+    directory here (a shared filesystem, or this machine's cluster), or a relative one under the
+    job's working_dir as Ray unpacked it on this machine (a cluster whose head is this machine:
+    RAY_TEMP/session_*/runtime_resources/working_dir_files/_ray_pkg_HASH)."""
+    if not run_dir:
+        return None
+    if Path(run_dir).is_absolute():
+        return run_dir if (Path(run_dir) / "events.jsonl").is_file() else None
+    if not working_dir_uri:
+        return None
+    from ray._common.utils import get_default_ray_temp_dir
+
+    package = working_dir_uri.rsplit("/", 1)[-1].removesuffix(".zip")
+    sessions = sorted(Path(get_default_ray_temp_dir()).glob("session_2*"), reverse=True)  # newest first
+    found = [s / "runtime_resources" / "working_dir_files" / package / run_dir for s in sessions]
+    return next((str(p) for p in found if (p / "events.jsonl").is_file()), None)
 
 
 def job_status_text(address: str | None, job_id: str) -> tuple[str, str]:

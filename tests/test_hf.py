@@ -15,6 +15,7 @@ from airay import JobConfig, fit
 from airay.config import ConfigError
 from airay.events import committed_losses, read_jsonl
 from airay.models import hf
+from airay.policy import plan_batch
 from tests.conftest import assert_released, ray_cluster
 
 pytestmark = pytest.mark.cluster
@@ -39,17 +40,32 @@ def paced_build(seed=0, forward_delay_s=0.0, **kwargs):
 paced_build.builds_partitioned = True  # through hf.build: transformers partitions it (airay.worker.build)
 
 
+def counted_build(seed=0, calls_to="", **kwargs):
+    """hf.build that appends a line to `calls_to` each time its first decoder layer's MLP starts:
+    a forward, or its recompute in the backward pass under gradient checkpointing."""
+    def count(module, args):  # returns None: the MLP's inputs stay as they are
+        with open(calls_to, "a") as f:
+            f.write("1\n")
+
+    model = hf.build(seed, **kwargs)
+    model.model.layers[0].mlp.register_forward_pre_hook(count)
+    return model
+
+
+counted_build.builds_partitioned = True
+
+
 def spec(run_dir, stage, chaos=(), export=False, forward_delay_s=0.0, steps_per_round=4,
-         every_n_steps=4, **model_kwargs):
-    model = {"factory": "tests.test_hf:paced_build",
-             "kwargs": {"config": LLAMA, "forward_delay_s": forward_delay_s, **model_kwargs}} \
-        if forward_delay_s else {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA, **model_kwargs}}
+         every_n_steps=4, max_steps=STEPS, model=None):
+    model = model or ({"factory": "tests.test_hf:paced_build",
+                       "kwargs": {"config": LLAMA, "forward_delay_s": forward_delay_s}} if forward_delay_s else
+                      {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA}})
     return JobConfig.from_dict({
         "name": run_dir.name, "model": model,
         "loss_fn": "airay.models.hf:loss",
         "data": {"sample_fn": "airay.models.hf:synthetic_tokens", "kwargs": {"vocab_size": 128, "seq_len": SEQ}},
         "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": stage}},
-        "global_batch_size": GBS, "micro_batch_size": 2, "max_steps": STEPS, "steps_per_round": steps_per_round,
+        "global_batch_size": GBS, "micro_batch_size": 2, "max_steps": max_steps, "steps_per_round": steps_per_round,
         "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": every_n_steps, "keep_last": 8, "export_hf": export},
         "timeouts": {"capacity_wait_s": 30, "hang_timeout_s": 20, "collective_timeout_s": 30, "survivor_drain_s": 10},
         "chaos": list(chaos), "run_dir": str(run_dir)})
@@ -61,6 +77,15 @@ def cluster():
         yield lc
 
 
+@pytest.fixture(scope="module")
+def base(cluster, tmp_path_factory):
+    """The fault-free reference run (ZeRO-3, a world of 4, sdpa attention as the spec names it)."""
+    model = {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA, "attn_implementation": "sdpa"}}
+    result = fit(spec(tmp_path_factory.mktemp("base"), 3, model=model), echo=False, local_cluster=cluster)
+    assert result.status == "finished" and result.world_sizes == [4], result.error
+    return result
+
+
 def step_loss(model, step):
     batch = [hf.synthetic_tokens(i, 0, vocab_size=128, seq_len=SEQ) for i in range(step * GBS, (step + 1) * GBS)]
     stacked = {k: torch.stack([b[k] for b in batch]) for k in ("input_ids", "attention_mask")}
@@ -68,20 +93,14 @@ def step_loss(model, step):
         return float(hf.loss(model, stacked))
 
 
-def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pretrained_loads(cluster, tmp_path):
+def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pretrained_loads(cluster, base,
+                                                                                               tmp_path):
     """ZeRO-3, the stage a model of billions of parameters trains at: its export reads shards of
     every parameter. ZeRO-2's path through a kill and an export is the bf16 test's below."""
     from transformers import AutoModelForCausalLM
 
     from airay.export import export_hf
 
-    base = fit(spec(tmp_path / "base", 3, attn_implementation="sdpa"), echo=False, local_cluster=cluster)
-    assert base.status == "finished" and base.world_sizes == [4]
-    # Gradient checkpointing recomputes the activations in the backward: the same losses (issue 30).
-    checkpointed = fit(spec(tmp_path / "gc", 3, attn_implementation="sdpa", gradient_checkpointing=True),
-                       echo=False, local_cluster=cluster)
-    assert checkpointed.status == "finished"
-    assert committed_losses(checkpointed.run_dir) == pytest.approx(committed_losses(base.run_dir), rel=1e-5)
     # Paced steps and rounds of 2: the killed rank's replacement joins at a round's end (4 -> 3 -> 4);
     # durable saves every 2 steps: the world of 3 writes one (at 6) before it grows.
     faulty = fit(spec(tmp_path / "kill", 3, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True,
@@ -113,6 +132,23 @@ def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pre
     assert all(torch.equal(a, b) for a, b in zip(at_end.state_dict().values(), final.state_dict().values()))
 
 
+def test_gradient_checkpointing_with_sdpa_trains_with_the_losses_of_the_run_without(cluster, base, tmp_path):
+    """ZeRO-3: each layer's recompute in the backward pass gathers its partitioned parameters
+    again. The first steps of the reference run's spec, gradient checkpointing on."""
+    calls, steps = tmp_path / "mlp_calls", 4
+    model = {"factory": "tests.test_hf:counted_build",
+             "kwargs": {"config": LLAMA, "attn_implementation": "sdpa", "gradient_checkpointing": True,
+                        "calls_to": str(calls)}}
+    result = fit(spec(tmp_path / "gc", 3, max_steps=steps, model=model), echo=False, local_cluster=cluster)
+    assert result.status == "finished" and result.world_sizes == [4], result.error
+    expected, got = committed_losses(base.run_dir), committed_losses(result.run_dir)
+    assert sorted(got) == list(range(steps))
+    assert [got[s] for s in range(steps)] == pytest.approx([expected[s] for s in range(steps)], rel=1e-5)
+    # Each micro-batch's forward ran the layer twice: once forward, once recomputed in the backward.
+    forwards = steps * 4 * plan_batch(GBS, 2, 4).grad_accum_steps
+    assert len(calls.read_text().splitlines()) == 2 * forwards
+
+
 def test_a_spec_with_a_missing_folder_or_unknown_model_fails_before_ray_names_the_field(tmp_path):
     base = {"loss_fn": "airay.models.hf:loss", "global_batch_size": 4, "micro_batch_size": 2, "max_steps": 2}
     with pytest.raises(ConfigError, match=r"model.kwargs.pretrained: .*no config.json"):
@@ -134,55 +170,6 @@ def test_a_spec_with_a_missing_folder_or_unknown_model_fails_before_ray_names_th
     with pytest.raises(ValueError, match=r"model.factory airay.models.tiny_gpt:build builds a TinyGPT, not a "
                                          r"transformers PreTrainedModel"):
         build_fp32("airay.models.tiny_gpt:build", {})
-
-
-def test_the_from_pretrained_options_people_use_pass_through_and_unknown_keys_fail_naming_the_key(monkeypatch):
-    base = {"loss_fn": "airay.models.hf:loss", "global_batch_size": 4, "micro_batch_size": 2, "max_steps": 2}
-
-    def check(**kwargs):
-        return JobConfig.from_dict({**base, "model": {"factory": "airay.models.hf:build",
-                                                      "kwargs": {"config": LLAMA, **kwargs}}})
-
-    check(attn_implementation="eager", torch_dtype="bfloat16", gradient_checkpointing=True,
-          gradient_checkpointing_kwargs={"use_reentrant": False}, config_overrides={"attention_dropout": 0.0})
-    for kwargs, message in [({"attn_impl": "sdpa"}, r"model.kwargs: unknown \['attn_impl'\]; .* attn_implementation"),
-                            ({"dtype": "float32", "torch_dtype": "float32"}, r"`dtype` or its older name"),
-                            ({"torch_dtype": "float16"}, r"model.kwargs.torch_dtype: 'float16'"),
-                            ({"attn_implementation": "fast"}, r"model.kwargs.attn_implementation: 'fast'"),
-                            ({"trust_remote_code": "yes"}, r"model.kwargs.trust_remote_code: true or false"),
-                            ({"gradient_checkpointing_kwargs": {"use_reentrant": True}},
-                             r"set gradient_checkpointing: true")]:
-        with pytest.raises(ConfigError, match=message):
-            check(**kwargs)
-    # What from_config receives: trust_remote_code only when the spec says so.
-    from transformers import AutoModelForCausalLM
-
-    seen = []
-    real = AutoModelForCausalLM.from_config
-    monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda cfg, **kw: seen.append(kw) or real(cfg, **kw))
-    model = hf.build(config=LLAMA, torch_dtype="bfloat16", attn_implementation="eager",
-                     config_overrides={"num_hidden_layers": 1})
-    assert seen[-1] == {"dtype": torch.bfloat16, "attn_implementation": "eager"}
-    assert model.dtype == torch.bfloat16 and model.config._attn_implementation == "eager"
-    assert len(model.model.layers) == 1  # config_overrides set on the config
-    hf.build(config=LLAMA, trust_remote_code=True)
-    assert seen[-1]["trust_remote_code"] is True
-
-
-def test_gradient_checkpointing_recomputes_each_layer_in_the_backward_with_the_same_gradients():
-    batch = {k: torch.stack([hf.synthetic_tokens(i, 0, vocab_size=128, seq_len=SEQ)[k] for i in range(2)])
-             for k in ("input_ids", "attention_mask")}
-    grads, calls = {}, {}
-    for gc in (False, True):
-        model = hf.build(seed=0, config=LLAMA, gradient_checkpointing=gc).train()
-        assert model.is_activation_checkpointing == gc and model.config.use_cache == (not gc)
-        count, mlp = [0], model.model.layers[0].mlp
-        forward = mlp.forward  # counted in the forward itself: the recompute runs without module hooks
-        mlp.forward = lambda *a, **kw: count.__setitem__(0, count[0] + 1) or forward(*a, **kw)
-        hf.loss(model, batch).backward()
-        calls[gc], grads[gc] = count[0], [p.grad.clone() for p in model.parameters()]
-    assert calls == {False: 1, True: 2}  # the forward again in the backward: its activations were not kept
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads[False], grads[True]))
 
 
 def test_bf16_mixed_precision_trains_through_a_kill_and_exports_fp32_master_weights(cluster, tmp_path):

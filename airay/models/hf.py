@@ -6,142 +6,187 @@ In a job spec:
       factory: airay.models.hf:build
       kwargs: {config: {model_type: llama, vocab_size: 512, hidden_size: 64, ...}}   # random init
       # or:  {pretrained: /path/to/a/local/model/folder}                           # from_pretrained
-      # and: tokenizer: FOLDER (the data's tokenizer, written beside the weights by airay export)
+      # and any of the training options of `Options` below, e.g.
+      #   {attn_implementation: sdpa, gradient_checkpointing: true, dtype: bfloat16}
     loss_fn: airay.models.hf:loss
 
 The loss is the model's own (labels = input ids, padding masked with -100 from the attention
 mask). Nothing is downloaded: `pretrained` is a local folder (a model saved with
-`save_pretrained`). `check_kwargs` runs when the spec is loaded, before Ray starts, so a missing
-folder or an unknown model type fails naming the field. Anything else: write your own factory
-returning a `PreTrainedModel` and keep `loss` (or your own).
+`save_pretrained`). `check_kwargs` runs when the spec is loaded, before Ray starts, so an unknown
+key, a missing folder, an unknown model type or an attention the model lacks fails naming the
+field. Anything else: write your own factory returning a `PreTrainedModel` and keep `loss` (or
+your own).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# torch.utils.checkpoint.checkpoint's keywords a spec can write (its context_fn is a function).
+CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop")
 
 
-# The keywords `build` takes (model.kwargs). The `from_pretrained`/`from_config` ones that make
-# sense for training pass through; anything else is refused before Ray starts, naming the key.
-KWARGS = ("config", "pretrained", "dtype", "torch_dtype", "tokenizer", "attn_implementation", "trust_remote_code",
-          "config_overrides", "gradient_checkpointing", "gradient_checkpointing_kwargs")
-DTYPES = ("float32", "bfloat16")
-ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+class Options(BaseModel):
+    """`model.kwargs` of airay.models.hf:build: the `from_pretrained`/`from_config` keywords that
+    make sense for training, plus gradient checkpointing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: dict[str, Any] | None = Field(None, description="a transformers config as a mapping, with model_type: "
+                                                            "random init from the run's seed")
+    pretrained: str | None = Field(None, description="a local folder written by save_pretrained (nothing downloads)")
+    tokenizer: str | None = Field(None, description="the folder of the tokenizer the data was made with; not used "
+                                                    "to train, written beside the weights by `airay export`")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the weights' dtype (`torch_dtype`, its "
+                                                                         "old name, is accepted)")
+    attn_implementation: str | None = Field(None, description="eager, sdpa, flex_attention, flash_attention_2...; "
+                                                              "default transformers' (sdpa where the model has it)")
+    experts_implementation: str | None = Field(None, description="a mixture of experts' kernel (eager, grouped_mm, "
+                                                                 "batched_mm...); default transformers'")
+    trust_remote_code: bool = Field(False, description="run the pretrained folder's own modeling code (its "
+                                                       "config.json has an auto_map); passed only when true")
+    config_overrides: dict[str, Any] = Field(default_factory=dict, description="attributes set on the pretrained "
+                                                                               "folder's config, e.g. attention_dropout")
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                                            "backward pass instead of keeping them (use_cache off)")
+    gradient_checkpointing_kwargs: dict[str, Any] = Field(default_factory=dict, description="torch.utils.checkpoint "
+                                                          "keywords; use_reentrant defaults to false")
+
+
+def options(kwargs: dict[str, Any]) -> Options:
+    """`kwargs` as Options; ValueError naming each key that is unknown or wrong."""
+    kwargs, named = dict(kwargs), {}
+    if "torch_dtype" in kwargs:
+        if "dtype" in kwargs:
+            raise ValueError("model.kwargs: give dtype or torch_dtype (its old name), not both")
+        kwargs["dtype"], named["dtype"] = kwargs.pop("torch_dtype"), "torch_dtype"
+    unknown = sorted(set(kwargs) - set(Options.model_fields))
+    if unknown:
+        raise ValueError(f"model.kwargs: unknown {unknown}; airay.models.hf:build takes "
+                         f"{', '.join(Options.model_fields)} (torch_dtype: dtype's old name)")
+    try:
+        return Options(**kwargs)
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"model.kwargs.{'.'.join(str(named.get(k, k)) for k in e['loc'])}: {e['msg']}"
+                                   for e in exc.errors())) from None
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> None:
     """Raise ValueError naming the field when `build(**kwargs)` could not work."""
-    config, pretrained = kwargs.get("config"), kwargs.get("pretrained")
-    unknown = sorted(set(kwargs) - set(KWARGS) - {"seed"})
-    if unknown:
-        raise ValueError(f"model.kwargs: unknown {unknown}; airay.models.hf:build takes {', '.join(KWARGS)}")
-    if (config is None) == (pretrained is None):
+    opts = options(kwargs)
+    if (opts.config is None) == (opts.pretrained is None):
         raise ValueError("model.kwargs: give exactly one of `config` (a transformers config as a mapping, with "
                          "model_type: random init) or `pretrained` (a local folder saved with save_pretrained)")
-    if "dtype" in kwargs and "torch_dtype" in kwargs:
-        raise ValueError("model.kwargs: give `dtype` or its older name `torch_dtype`, not both")
-    dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "float32"))
-    if dtype not in DTYPES:
-        key = "torch_dtype" if "torch_dtype" in kwargs else "dtype"
-        raise ValueError(f"model.kwargs.{key}: {dtype!r}: give one of {', '.join(DTYPES)} (mixed precision is "
-                         "DeepSpeed's bf16 section: the model's master weights stay fp32)")
-    attention = kwargs.get("attn_implementation")
-    if attention is not None and attention not in ATTENTION:
-        raise ValueError(f"model.kwargs.attn_implementation: {attention!r} is not one of {', '.join(ATTENTION)}")
-    for key in ("trust_remote_code", "gradient_checkpointing"):
-        if not isinstance(kwargs.get(key, False), bool):
-            raise ValueError(f"model.kwargs.{key}: true or false, not {kwargs[key]!r}")
-    for key in ("config_overrides", "gradient_checkpointing_kwargs"):
-        if not isinstance(kwargs.get(key) or {}, dict):
-            raise ValueError(f"model.kwargs.{key}: a mapping, not {kwargs[key]!r}")
-    if kwargs.get("gradient_checkpointing_kwargs") and not kwargs.get("gradient_checkpointing"):
-        raise ValueError("model.kwargs.gradient_checkpointing_kwargs: set gradient_checkpointing: true to use them")
-    if pretrained is not None:
-        folder = Path(pretrained)
+    if opts.pretrained is not None:
+        folder = Path(opts.pretrained)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"model.kwargs.pretrained: {pretrained} is not a model folder (no config.json there); "
-                             "give a local folder written by save_pretrained (nothing is downloaded)")
+            raise ValueError(f"model.kwargs.pretrained: {opts.pretrained} is not a model folder (no config.json "
+                             "there); give a local folder written by save_pretrained (nothing is downloaded)")
+        if "auto_map" in json.loads((folder / "config.json").read_text()) and not opts.trust_remote_code:
+            raise ValueError(f"model.kwargs.pretrained: {opts.pretrained} holds its own modeling code (config.json "
+                             "has an auto_map); set model.kwargs.trust_remote_code: true to run it")
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        model_type = dict(config).get("model_type")
-        try:
-            cfg = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"model.kwargs.config.model_type: {model_type!r} is not a transformers model type: "
-                             f"{str(exc).splitlines()[0]}") from None
-        if type(cfg) not in AutoModelForCausalLM._model_mapping:
-            raise ValueError(f"model.kwargs.config.model_type: {model_type!r} has no causal LM in transformers")
-
-
-def _options(dtype: str, torch_dtype: str | None, attn_implementation: str | None,
-             trust_remote_code: bool) -> dict[str, Any]:
-    """The keywords from_pretrained/from_config get: the dtype (torch_dtype is its older name),
-    the attention implementation when given, trust_remote_code only when the spec says so."""
-    options: dict[str, Any] = {"dtype": getattr(torch, torch_dtype or dtype)}
-    if attn_implementation is not None:
-        options["attn_implementation"] = attn_implementation
-    if trust_remote_code:
-        options["trust_remote_code"] = True
-    return options
+        if opts.config_overrides:
+            raise ValueError("model.kwargs.config_overrides: for a pretrained folder's config; with `config`, write "
+                             "the values in it")
+        if opts.trust_remote_code:
+            raise ValueError("model.kwargs.trust_remote_code: for a pretrained folder's own code; `config` builds a "
+                             "transformers model type")
+    if opts.gradient_checkpointing_kwargs and not opts.gradient_checkpointing:
+        raise ValueError("model.kwargs.gradient_checkpointing_kwargs: set gradient_checkpointing: true to use them")
+    unknown = sorted(set(opts.gradient_checkpointing_kwargs) - set(CHECKPOINT_KWARGS))
+    if unknown:
+        raise ValueError(f"model.kwargs.gradient_checkpointing_kwargs: unknown {unknown}; torch.utils.checkpoint "
+                         f"takes {', '.join(CHECKPOINT_KWARGS)}")
+    model_class = _checked_class(opts)
+    _check_implementations(opts, model_class)
 
 
-def _train_options(model, gradient_checkpointing: bool, gradient_checkpointing_kwargs: dict | None):
-    """Gradient checkpointing (activations recomputed in the backward, not kept), non-reentrant by
-    default: the form that works under ZeRO-3's parameter hooks; the KV cache off, as training has it."""
-    if gradient_checkpointing:
-        model.activation_checkpointing_enable(  # transformers 5's name for gradient_checkpointing_enable
-            activation_checkpointing_kwargs={"use_reentrant": False, **(gradient_checkpointing_kwargs or {})})
-        model.config.use_cache = False
-    return model
-
-
-def build(seed: int = 0, config: dict[str, Any] | None = None, pretrained: str | None = None,
-          dtype: str = "float32", tokenizer: str | None = None, torch_dtype: str | None = None,
-          attn_implementation: str | None = None, trust_remote_code: bool = False,
-          config_overrides: dict[str, Any] | None = None, gradient_checkpointing: bool = False,
-          gradient_checkpointing_kwargs: dict[str, Any] | None = None):
-    """A transformers causal LM: from `config` (random init from `seed`) or `pretrained`.
-    `tokenizer`: the folder of the tokenizer the data was made with; not used to train, written
-    beside the weights by `airay export`. `config_overrides`: fields set on the config (a
-    pretrained folder's too), e.g. {rope_scaling: ..., attention_dropout: 0.1}."""
+def _checked_class(opts: Options):
+    """The causal LM class the options build (None for a folder's own code), its config checked."""
     from transformers import AutoModelForCausalLM
 
+    try:
+        cfg = _config(opts.model_copy(update={"config_overrides": {}}))  # the attributes an override may set
+    except (ValueError, TypeError, OSError) as exc:
+        first = str(exc).splitlines()[0]
+        if opts.config is not None:
+            raise ValueError(f"model.kwargs.config.model_type: {opts.config.get('model_type')!r} is not a "
+                             f"transformers model type: {first}") from None
+        raise ValueError(f"model.kwargs.pretrained: {opts.pretrained}: its config does not load: {first}") from None
+    for key in opts.config_overrides:
+        if not hasattr(cfg, key):
+            raise ValueError(f"model.kwargs.config_overrides.{key}: {type(cfg).__name__} has no attribute {key!r}")
+    if opts.trust_remote_code and "AutoModelForCausalLM" in (getattr(cfg, "auto_map", None) or {}):
+        return None  # the folder's own class: transformers checks it when it builds
+    model_class = AutoModelForCausalLM._model_mapping.get(type(cfg), None)
+    if model_class is None:
+        field = "config.model_type" if opts.config is not None else "pretrained"
+        raise ValueError(f"model.kwargs.{field}: {cfg.model_type!r} has no causal LM in transformers")
+    return model_class
+
+
+def _check_implementations(opts: Options, model_class) -> None:
+    """attn_implementation and experts_implementation name one transformers has, and one the
+    model supports. Whether flash attention's package imports is checked where the model builds
+    (the workers, where the GPUs are; the driver may run on a CPU node)."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn = opts.attn_implementation
+    if attn is not None:
+        # paged|...: continuous batching for generation, not training.
+        known = ["eager"] + [k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if not k.startswith("paged|")]
+        if attn not in known:
+            raise ValueError(f"model.kwargs.attn_implementation: {attn!r} is not one of {', '.join(known)}")
+        supports = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}.get(
+            attn, "_supports_flash_attn" if attn.startswith("flash_attention") else None)
+        if model_class is not None and supports and not getattr(model_class, supports, False):
+            raise ValueError(f"model.kwargs.attn_implementation: {model_class.__name__} does not support {attn!r}")
+    experts = opts.experts_implementation
+    known = ["eager"] + sorted(set(ALL_EXPERTS_FUNCTIONS) | set(ALL_FP8_EXPERTS_FUNCTIONS))
+    if experts is not None and experts not in known:
+        raise ValueError(f"model.kwargs.experts_implementation: {experts!r} is not one of {', '.join(known)}")
+
+
+def build(seed: int = 0, **kwargs):
+    """A transformers causal LM of `Options(**kwargs)`, in train mode: from `config` (random
+    init from `seed`) or `pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    opts = options(kwargs)
     torch.manual_seed(seed)
-    options = _options(dtype, torch_dtype, attn_implementation, trust_remote_code)
-    if pretrained is not None:
-        cfg = config_of(None, pretrained, config_overrides, trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg, local_files_only=True, **options)
+    if opts.pretrained is not None:
+        model = AutoModelForCausalLM.from_pretrained(opts.pretrained, local_files_only=True, config=_config(opts),
+                                                     **_load_kwargs(opts))
     else:
-        model = AutoModelForCausalLM.from_config(config_of(config, None, config_overrides), **options)
-    return _train_options(model, gradient_checkpointing, gradient_checkpointing_kwargs)
+        model = AutoModelForCausalLM.from_config(_config(opts), **_load_kwargs(opts))
+    return _for_training(model, opts)
 
 
-def without_weights(seed: int = 0, config: dict[str, Any] | None = None, pretrained: str | None = None,
-                    dtype: str = "float32", tokenizer: str | None = None, torch_dtype: str | None = None,
-                    attn_implementation: str | None = None, trust_remote_code: bool = False,
-                    config_overrides: dict[str, Any] | None = None, gradient_checkpointing: bool = False,
-                    gradient_checkpointing_kwargs: dict[str, Any] | None = None):
-    """`build`'s architecture for a checkpoint to fill (a resize, a resumed run): the pretrained
-    folder's weights are not read and nothing is initialised. Under ZeRO-3 (transformers'
-    DeepSpeed integration registered, airay.worker.build) the partitions are allocated, not
-    filled: transformers 5's from_config initialises a ZeRO-3 model afterwards by gathering
-    each module's parameters (`initialize_weights_zero3`), which is skipped here."""
+def without_weights(seed: int = 0, **kwargs):
+    """`build`'s model (its options too: a resized world keeps gradient checkpointing) for a
+    checkpoint to fill (a resize, a resumed run): the pretrained folder's weights are not read
+    and nothing is initialised. Under ZeRO-3 (transformers' DeepSpeed integration registered,
+    airay.worker.build) the partitions are allocated, not filled: transformers 5's from_config
+    initialises a ZeRO-3 model afterwards by gathering each module's parameters
+    (`initialize_weights_zero3`), which is skipped here."""
     import transformers.integrations.deepspeed as hf_deepspeed
     from transformers import AutoModelForCausalLM
 
+    opts = options(kwargs)
     initialise = hf_deepspeed.initialize_weights_zero3
     hf_deepspeed.initialize_weights_zero3 = lambda model: None  # imported from here at each call
     try:
-        model = AutoModelForCausalLM.from_config(
-            config_of(config, pretrained, config_overrides, trust_remote_code),
-            **_options(dtype, torch_dtype, attn_implementation, trust_remote_code))
+        return _for_training(AutoModelForCausalLM.from_config(_config(opts), **_load_kwargs(opts)), opts)
     finally:
         hf_deepspeed.initialize_weights_zero3 = initialise
-    return _train_options(model, gradient_checkpointing, gradient_checkpointing_kwargs)
 
 
 # airay.worker.build: transformers builds these partitioned itself under ZeRO-3.
@@ -150,30 +195,60 @@ build.without_weights = without_weights
 without_weights.builds_partitioned = True
 
 
-def build_empty(config: dict[str, Any] | None = None, pretrained: str | None = None,
-                config_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False, **_):
+def build_empty(**kwargs):
     """The model's architecture in fp32 on the meta device: no memory for weights, none read.
-    For export, whose weights come from the checkpoint: one copy of the model in memory, not two."""
+    For export, whose weights come from the checkpoint: one copy of the model in memory, not two.
+    The training options (dtype, attention, checkpointing) are not the folder's: an export on a
+    CPU node must not need flash attention's package."""
     from transformers import AutoModelForCausalLM
 
+    opts = options(kwargs)
+    remote = {"trust_remote_code": True} if opts.trust_remote_code else {}
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config_of(config, pretrained, config_overrides, trust_remote_code),
-                                                dtype=torch.float32,
-                                                **({"trust_remote_code": True} if trust_remote_code else {}))
+        return AutoModelForCausalLM.from_config(_config(opts), dtype=torch.float32, **remote)
 
 
-def config_of(config: dict[str, Any] | None = None, pretrained: str | None = None,
-              config_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False):
-    """The transformers config of `build`'s kwargs: the mapping's, or the pretrained folder's,
-    with `config_overrides` set on it."""
+def config_of(**kwargs):
+    """The transformers config of `build`'s kwargs: the mapping's, or the pretrained folder's
+    with its config_overrides."""
+    return _config(options(kwargs))
+
+
+def _config(opts: Options):
     from transformers import AutoConfig
 
-    overrides = dict(config_overrides or {})
-    if pretrained is not None:
-        return AutoConfig.from_pretrained(pretrained, local_files_only=True, **overrides,
-                                          **({"trust_remote_code": True} if trust_remote_code else {}))
-    return AutoConfig.for_model(config["model_type"],
-                                **{**{k: v for k, v in config.items() if k != "model_type"}, **overrides})
+    if opts.pretrained is None:
+        return AutoConfig.for_model(opts.config.get("model_type"),
+                                    **{k: v for k, v in opts.config.items() if k != "model_type"})
+    remote = {"trust_remote_code": True} if opts.trust_remote_code else {}
+    cfg = AutoConfig.from_pretrained(opts.pretrained, local_files_only=True, **remote)
+    for key, value in opts.config_overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _load_kwargs(opts: Options) -> dict[str, Any]:
+    """The keywords from_pretrained and from_config take; trust_remote_code only when the spec
+    sets it (transformers then runs the folder's code)."""
+    names = ("attn_implementation", "experts_implementation")
+    out = {"dtype": getattr(torch, opts.dtype), **{n: getattr(opts, n) for n in names if getattr(opts, n)}}
+    if opts.trust_remote_code:
+        out["trust_remote_code"] = True
+    return out
+
+
+def _for_training(model, opts: Options):
+    # from_pretrained returns the model in eval mode, where dropout and checkpointing are off;
+    # DeepSpeed's engine does not change the mode.
+    model.train()
+    if opts.gradient_checkpointing:
+        model.config.use_cache = False  # a cache of keys and values is memory the recompute cannot reuse
+        # Non-reentrant unless the spec says otherwise (transformers 5's default, which a spec's
+        # kwargs would replace): it needs no input that requires grad. Its recompute calls each
+        # module again, so ZeRO-3's hooks gather the partitioned parameters again in the backward.
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False, **opts.gradient_checkpointing_kwargs})
+    return model
 
 
 def labels_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:

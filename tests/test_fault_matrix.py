@@ -354,7 +354,7 @@ def test_a_durable_storage_that_fails_every_write_fails_the_run_with_the_newest_
     assert MATRIX["broken_storage"].outcome == "failed"
 
 
-def test_a_killed_driver_is_restarted_and_the_run_finishes(cluster, tmp_path, baseline, results):
+def test_a_killed_driver_is_restarted_and_the_run_finishes(cluster, tmp_path, baseline, results, monkeypatch):
     """`airay run` supervises its driver: SIGKILLed at step 12, it is restarted, the new driver
     resumes from the newest checkpoint (step 10) on the same run directory and finishes, with
     the losses of the fault-free run. The same entrypoint runs under `airay submit` and
@@ -365,8 +365,11 @@ def test_a_killed_driver_is_restarted_and_the_run_finishes(cluster, tmp_path, ba
     run_dir = tmp_path / "driver"
     spec_file = tmp_path / "driver.yaml"
     spec_file.write_text(spec(run_dir, [{"fault": "kill_driver", "at_step": 12}]).to_yaml())
-    proc = subprocess.run([sys.executable, "-m", "airay.cli", "run", str(spec_file)], capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": cluster.address})
+    # Tracked in MLflow (a local file store, no server), and every event on the console (-v).
+    store = tmp_path / "mlruns"
+    proc = subprocess.run([sys.executable, "-m", "airay.cli", "run", str(spec_file), "-v"], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "RAY_ADDRESS": cluster.address,
+                                                       "MLFLOW_TRACKING_URI": str(store)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[airay] the driver died (SIGKILL); restarting it (1 of 3)" in proc.stdout
     result = json.loads((run_dir / "result.json").read_text())
@@ -382,6 +385,22 @@ def test_a_killed_driver_is_restarted_and_the_run_finishes(cluster, tmp_path, ba
         assert losses[step] == pytest.approx(loss, rel=RTOL), step
     assert result["time_lost_s"]["driver_restart"] > 0
     assert_released()
+    # -v: every event both drivers recorded is on the console, as a line of its own type.
+    console = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("[airay] ")]
+    for kind in {e["type"] for e in all_events}:
+        assert console.count(kind) >= sum(e["type"] == kind for e in all_events), kind
+    # One MLflow run across the restart: a loss per committed step, once (the replayed ones too).
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store when told
+    client = MlflowClient(str(store))
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(STEPS))
+    assert [m.value for m in history] == pytest.approx([losses[s] for s in range(STEPS)], rel=1e-6)
+    assert run.data.params["global_batch_size"] == "24"
+    assert "result.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert run.info.status == "FINISHED" and run.data.tags["airay.status"] == "finished"
     formed = [e for e in all_events if e["type"] == "world_formed" and e["ts"] > restart["ts"]]
     killed = [e for e in all_events if e["type"] == "fault_injected"][0]
     results["kill_driver"] = {"outcome": "recovered", "world_sizes": [e["world_size"] for e in all_events

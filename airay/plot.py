@@ -13,15 +13,19 @@ from airay.runview import RunView, load
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, show: bool = False) -> dict[str, Any]:
     """Draw the run; write it to `out` (default RUN_DIR/run.png). Returns what was drawn (the
     series, the marks and the title) and the figure, so callers can check or display it."""
-    import matplotlib
-
-    if not show:
-        matplotlib.use("Agg")  # files only: no display needed (a job's driver has none)
-    import matplotlib.pyplot as plt
-
     view = load(run_dir)
     drawn = series(view)
-    fig, (ax_loss, ax_world, ax_tput) = plt.subplots(3, 1, figsize=(10, 9), constrained_layout=True)
+    if show:
+        import matplotlib.pyplot as plt
+
+        fig = plt.figure(figsize=(10, 9), layout="constrained")
+    else:
+        # Files only, without pyplot: no backend to pick (a job's driver has no display), no
+        # global state (the MLflow tracker draws it on its thread; a notebook's backend stays).
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(10, 9), layout="constrained")
+    ax_loss, ax_world, ax_tput = fig.subplots(3, 1)
     fig.suptitle(drawn["title"])
 
     steps, losses = drawn["loss"]
@@ -57,8 +61,6 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     out = Path(out) if out is not None else view.run_dir / "run.png"
     fig.savefig(out, dpi=100)
     drawn.update(path=str(out), figure=fig)
-    if not show:
-        plt.close(fig)
     return drawn
 
 

@@ -13,14 +13,18 @@ continue the same MLflow run. What it holds:
 - at the end: goodput, wall_s and the time lost per cause as metrics, status, final step and
   error as tags, and result.json, config.yaml and the run's plot as artifacts.
 
-Tracking never fails the training: the first error is recorded (`tracking_failed`) and
-tracking stops for the rest of the run.
+Tracking never fails or slows the training: every call to MLflow runs on one thread of its own,
+in order (a server that is slow or down, with MLflow's own retries, does not hold the driver's
+loop; the end waits for it at most FINISH_WAIT_S); the first error is recorded
+(`tracking_failed`) and tracking stops for the rest of the run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,7 @@ from urllib.parse import urlparse
 from airay.config import ConfigError
 
 STATE_FILE = "mlflow.json"
+FINISH_WAIT_S = 60.0
 STEP_METRICS = ("loss", "tokens_per_s", "samples_per_s", "step_time_s", "world_size")
 PARAM_VALUE_MAX = 6000  # MLflow's limit on a param's value (characters)
 BATCH_MAX = 100  # params per log_batch call (MLflow's limit); metrics allow 1000
@@ -87,17 +92,28 @@ class MlflowTracker:
         self.run_id: str | None = None
         self.logged_through: int | None = None
         self.failed = False
+        self._calls: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="airay-mlflow", daemon=True)
+        self._thread.start()
 
-    def _guard(self, what: str, fn, *args) -> Any:
-        if self.failed:
-            return None
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - tracking never stops training
-            self.failed = True
-            self.rec.event("tracking_failed", backend="mlflow", action=what, error=f"{type(exc).__name__}: {exc}"[:500],
-                           tracking_uri=self.where.get("tracking_uri"))
-            return None
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            what, fn, args = call
+            if self.failed:
+                continue
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - tracking never stops training
+                self.failed = True
+                self.rec.event("tracking_failed", backend="mlflow", action=what,
+                               error=f"{type(exc).__name__}: {exc}"[:500], tracking_uri=self.where.get("tracking_uri"))
+
+    def _guard(self, what: str, fn, *args) -> None:
+        """Run `fn(*args)` on the tracking thread, after the calls before it."""
+        self._calls.put((what, fn, args))
 
     def start(self, spec: dict[str, Any]) -> None:
         self._guard("start", self._start, spec)
@@ -150,7 +166,10 @@ class MlflowTracker:
         self.logged_through = fresh[-1]["step"]
 
     def finish(self, result: dict[str, Any], status: str) -> None:
+        """The run's end, then the thread's: waits for the calls queued (at most FINISH_WAIT_S)."""
         self._guard("finish", self._finish, result, status)
+        self._calls.put(None)
+        self._thread.join(FINISH_WAIT_S)
 
     def _finish(self, result: dict[str, Any], status: str) -> None:
         from mlflow.entities import Metric, RunTag

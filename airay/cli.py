@@ -9,10 +9,12 @@
     airay prune       RUN_DIR | LOCATION | --job ID  --keep-last N [--keep STEP ...] [--dry-run] [--json]
     airay export      RUN_DIR | CHECKPOINT | --job ID  --out DIR [--format hf] [--dtype ...] [--json]
     airay simulate [--gpus 1024,4096,16384 ...] [--json]   goodput per recovery policy (airay.simulate)
+    airay simulate-queue [--trace FILE.csv | --jobs 1200] [--gpus 1024,4096] [--json]
+                                                  the multi-job scheduler's policies (airay.sched.simulate)
     airay --version
 
 Every command that reads a run takes its run directory or a submitted job's id (`--job`, with
-`--address`: the job's run directory, as its console named it, read on this machine).
+`--address`: the job's run directory, recorded at submission, read on this machine).
 """
 
 from __future__ import annotations
@@ -105,10 +107,24 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--days", type=float, default=14.0)
     sim.add_argument("--repeats", type=int, default=3)
     sim.add_argument("--json", action="store_true", help="print the rows as JSON")
+    sq = sub.add_parser("simulate-queue", help="simulate the multi-job scheduler's policies over a job trace")
+    sq.add_argument("--trace", help="trace CSV (format: airay.sched.trace); default: a generated trace per fleet size")
+    sq.add_argument("--jobs", type=int, default=1200, help="jobs in the generated trace")
+    sq.add_argument("--load", type=float, default=0.9, help="generated trace: work offered / the fleet's GPUs")
+    sq.add_argument("--seed", type=int, default=0)
+    sq.add_argument("--gpus", default="1024,4096", help="comma-separated fleet sizes")
+    sq.add_argument("--policies", default="evict,shrink,goodput")
+    sq.add_argument("--quota", action="append", default=[], metavar="TEAM=GPUS",
+                    help="a team's guaranteed GPUs (repeatable); default: the generated teams' quotas, "
+                    "none with --trace")
+    sq.add_argument("--resize-s", type=float, default=None, help="default: airay's measured warm recovery")
+    sq.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
 
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "simulate-queue":
+        return _simulate_queue(args)
     if args.command == "submit":
         return _submit(args)
     if args.command in READERS:
@@ -410,6 +426,29 @@ def _simulate(args) -> int:
         print(f"{r['gpus']:>6} {r['fleet_mtbf_h']:>12.2f} {r['interval_s']:>10.0f} {r['policy']:>8} "
               f"{r['goodput']:>8.4f} {r['goodput_min']:>6.3f} {r['goodput_max']:>6.3f} {r['failures']:>8} "
               f"{r['lost_work_share']:>6.3f} {r['recovery_share']:>6.3f} {r['checkpoint_share']:>6.3f}")
+    return 0
+
+
+def _simulate_queue(args) -> int:
+    from airay.sched import simulate as sq
+    from airay.sched.trace import TraceError, load_csv
+
+    try:
+        gpus = [int(g) for g in args.gpus.split(",") if g]
+        quotas = {team: int(n) for team, n in (q.split("=", 1) for q in args.quota)} if args.quota else None
+    except ValueError:
+        print(f"airay: --gpus takes comma-separated integers and --quota TEAM=GPUS (got --gpus {args.gpus!r}, "
+              f"--quota {args.quota})", file=sys.stderr)
+        return 2
+    extra = {"resize_s": args.resize_s} if args.resize_s is not None else {}
+    try:
+        trace = load_csv(args.trace) if args.trace else None
+        rows = sq.compare(gpus, tuple(p for p in args.policies.split(",") if p), trace, args.jobs, args.seed,
+                          args.load, quotas, **extra)
+    except (TraceError, ValueError) as exc:
+        print(f"airay: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2) if args.json else sq.table(rows))
     return 0
 
 

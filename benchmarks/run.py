@@ -56,6 +56,7 @@ FULL = {
     "data": ["--repeats", "3"],
     # The "before" is airay at the commit before the start-up work (c9acdb2), run in a worktree.
     "startup": ["--repeats", "3", "--baseline", "c9acdb2"],
+    "sched_sim": ["--jobs", "1200", "--gpus", "1024,4096", "--seeds", "3", "--slow-resize-s", "300"],
 }
 SCRIPT: dict[str, str] = {}  # sections run by another section's script
 TIMEOUT_S = {"goodput": 3 * 3600}  # seconds a section may run (default 30 min)
@@ -68,6 +69,7 @@ REDUCED = {
     "checkpoint": ["--reduced"],
     "data": ["--reduced"],
     "startup": ["--repeats", "1", "--no-ray-train"],
+    "sched_sim": ["--reduced"],
 }
 SIMULATE_FULL = ["--gpus", "1024,4096,16384", "--days", "14", "--repeats", "5"]
 SIMULATE_REDUCED = ["--gpus", "1024", "--days", "2", "--repeats", "1"]
@@ -253,6 +255,67 @@ def render_simulate(sim_rows: list[dict]) -> list[str]:
         lines.append(f"| {r['gpus']} | {r['fleet_mtbf_h']:.1f} | {r['policy']} | {r['goodput']:.4f} | "
                      f"{r['goodput_min']:.3f}-{r['goodput_max']:.3f} | {r['goodput'] / base[r['gpus']]:.3f}x |")
     return lines
+
+
+def render_sched_sim(res: dict) -> list[str]:
+    """The multi-job scheduler's policies over a generated trace (benchmarks/sched_sim.py)."""
+    a, s = res["args"], res["settings"]
+    quotas = ", ".join(f"{t['quota_share']:.0%}" for t in res["teams"].values())
+    lines = [f"airay.sched.simulate over a generated trace of {a['jobs']:,} jobs per fleet and seed "
+             "(airay.sched.trace.generate: power-of-two sizes of 1 to 512 GPUs, whole 8-GPU nodes from 8 up, "
+             "heavy-tailed log-normal run times, priorities high / normal / low, "
+             f"{len(res['teams'])} teams whose quotas guarantee {quotas} of the fleet, Poisson arrivals following the "
+             f"day at {a['load']:g} offered load; the source of each parameter is in its docstring), {a['seeds']} "
+             "seeds, means over them. evict: Kueue-like (priority FIFO, partial admission, whole lower-priority "
+             "jobs evicted and requeued, losing the work since their last checkpoint, one every "
+             f"{s['checkpoint_interval_s'] / 60:g} min of training); shrink: lower-priority elastic jobs shrunk "
+             "first, a whole job preempted (checkpointed first) only when that cannot make room, grow-back; "
+             f"goodput: shrink, but a grow only when it pays for its resize (horizon {s['horizon_s'] / 3600:g} h). "
+             f"A resize idles the job's world for airay's measured warm recovery ({s['resize_s']:g} s) and a restart "
+             f"for its measured cold start ({s['cold_restart_s']:g} s); the {a['slow_resize_s']:g} s rows assume a "
+             "far slower resize (not measured). JCT: submit to finish; wait: submit to first running; utilisation: "
+             "GPU-seconds of training over the fleet's, first to last submission; lost: work rolled back by "
+             "evictions + GPU time idled by resizes and restarts. Ratios against evict on the same fleet and seed "
+             "(spread: the smallest and largest per seed).", "",
+             "| GPUs | policy | resize s | mean JCT h | p99 JCT h | mean JCT vs evict | high-priority wait mean / "
+             "p99 min | every job's wait min | utilisation | lost GPU-h | vs evict | preemptions | resizes |",
+             "|" + " --- |" * 13]
+    for r in res["rows"]:
+        lo, hi = r["mean_jct_s_vs_evict_range"] or (1.0, 1.0)
+        jct = "1 (baseline)" if r["policy"] == "evict" else f"**{r['mean_jct_s_vs_evict']:.3f}** ({lo:.3f}-{hi:.3f})"
+        lost = "1" if r["policy"] == "evict" else f"{r['lost_gpu_h_vs_evict']:.3f}"
+        lines.append(f"| {r['gpus']:,} | {r['policy']} | {r['resize_s']:g} | {r['mean_jct_s'] / 3600:.2f} | "
+                     f"{r['p99_jct_s'] / 3600:.1f} | {jct} | {r['high_wait_mean_s'] / 60:.1f} / "
+                     f"{r['high_wait_p99_s'] / 60:.1f} | {r['wait_mean_s'] / 60:.1f} | {r['utilisation']:.3f} | "
+                     f"{r['lost_gpu_h']:,.0f} | {lost} | {r['preemptions']:.0f} | {r['resizes']:.0f} |")
+    return lines + ["", sched_sim_verdict(res["rows"])]
+
+
+def sched_sim_verdict(rows: list[dict]) -> str:
+    """What the table says, in one paragraph (the figures are the table's)."""
+    at = {(r["gpus"], r["policy"], r["resize_s"]): r for r in rows}
+    fleets = sorted({r["gpus"] for r in rows})
+    measured = min(r["resize_s"] for r in rows)
+    shrink = [at[g, "shrink", measured] for g in fleets]
+    text = ("Shrink instead of evict, against evict: mean JCT x"
+            + _and([f"{r['mean_jct_s_vs_evict']:.3f} at {r['gpus']:,}" for r in shrink])
+            + " GPUs; p99 JCT x" + _and([f"{r['p99_jct_s_vs_evict']:.3f}" for r in shrink])
+            + "; lost GPU-hours x" + _and([f"{r['lost_gpu_h_vs_evict']:.3f}" for r in shrink])
+            + ". High-priority jobs start at once under every policy (each may shrink or preempt any "
+            "lower-priority job): what differs is what the jobs that make room pay.")
+    slow = sorted({r["resize_s"] for r in rows} - {measured})
+    for rs in slow:
+        pairs = [(at[g, "shrink", rs], at[g, "goodput", rs]) for g in fleets if (g, "goodput", rs) in at]
+        text += (f" With {rs:g} s resizes the goodput policy idles "
+                 + _and([f"{gp['lost_gpu_h'] / sh['lost_gpu_h']:.2f}x the GPU-hours of shrink at {gp['gpus']:,}"
+                         for sh, gp in pairs])
+            + " GPUs, at a mean JCT x" + _and([f"{gp['mean_jct_s'] / sh['mean_jct_s']:.3f}" for sh, gp in pairs])
+            + " of shrink's.")
+    pairs = [(at[g, "shrink", measured], at[g, "goodput", measured]) for g in fleets if (g, "goodput", measured) in at]
+    if pairs:
+        text += (f" At the measured {measured:g} s resize nearly every grow pays: goodput's mean JCT is x"
+                 + _and([f"{gp['mean_jct_s'] / sh['mean_jct_s']:.3f}" for sh, gp in pairs]) + " of shrink's.")
+    return text
 
 
 def pacing(rt: dict) -> str:
@@ -462,6 +525,8 @@ RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md'
     "checkpoint": ("Checkpoint: memory, held time per save, commit and reload per model size", render_checkpoint),
     "data": ("Data path: airay's Ray Data stream vs a plain torch DataLoader", render_data),
     "simulate": ("Simulated goodput on large fleets (`airay simulate`)", render_simulate),
+    "sched_sim": ("Many jobs on one fleet, simulated: evict vs shrink vs goodput-aware (`airay simulate-queue`)",
+                  render_sched_sim),
     "gpu": ("GPU: airay's CUDA/NCCL path, throughput and MFU against plain DeepSpeed", render_gpu),
 }
 GPU_ONLY = {"gpu": ["--steps", "25", "--warmup", "5"]}  # needs CUDA: rendered from benchmarks/results

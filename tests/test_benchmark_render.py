@@ -133,3 +133,28 @@ def test_driver_scale_section_has_a_row_per_size_and_each_target():
     (line,) = readme_driver_scale(stored)
     assert "1.00 ms per round and 1.17 ms per recovery at 64, 61.00 ms per round and 140.00 ms per recovery at 4,096" \
         in line and "332 characters at 64, 338 characters at 4,096 ranks" in line
+
+
+def test_sched_sim_section_has_a_row_per_fleet_and_policy_and_the_ratios():
+    from benchmarks.run import render_sched_sim
+
+    def row(gpus, policy, resize_s, jct, lost, ratio=None, lost_ratio=None):
+        return {"gpus": gpus, "policy": policy, "resize_s": resize_s, "mean_jct_s": jct * 3600, "p99_jct_s": 36000.0,
+                "high_wait_mean_s": 0.0, "high_wait_p99_s": 0.0, "wait_mean_s": 600.0, "utilisation": 0.8,
+                "lost_gpu_h": lost, "preemptions": 10.0, "resizes": 0.0 if policy == "evict" else 50.0,
+                "mean_jct_s_vs_evict": ratio, "mean_jct_s_vs_evict_range": [0.85, 0.95] if ratio else None,
+                "p99_jct_s_vs_evict": 0.9 if ratio else None, "lost_gpu_h_vs_evict": lost_ratio}
+
+    rows = [row(1024, "evict", 0.746, 10.0, 1000.0), row(1024, "shrink", 0.746, 9.0, 10.0, 0.9, 0.01),
+            row(1024, "goodput", 0.746, 9.0, 10.0, 0.9, 0.01), row(1024, "shrink", 300.0, 9.2, 800.0, 0.92, 0.8),
+            row(1024, "goodput", 300.0, 9.1, 400.0, 0.91, 0.4)]
+    res = {"args": {"jobs": 1200, "seeds": 3, "load": 0.9, "slow_resize_s": 300.0},
+           "settings": {"checkpoint_interval_s": 1800.0, "horizon_s": 3600.0, "resize_s": 0.746, "cold_restart_s": 9.7},
+           "teams": {"a": {"quota_share": 0.3}, "b": {"quota_share": 0.1}}, "rows": rows}
+    text = "\n".join(render_sched_sim(res))
+    assert "| 1,024 | evict | 0.746 | 10.00 | 10.0 | 1 (baseline) | 0.0 / 0.0 | 10.0 | 0.800 | 1,000 | 1 | 10 | 0 |" \
+        in text
+    assert "| 1,024 | shrink | 0.746 | 9.00 | 10.0 | **0.900** (0.850-0.950) |" in text
+    assert "mean JCT x0.900 at 1,024 GPUs; p99 JCT x0.900; lost GPU-hours x0.010" in text
+    assert "idles 0.50x the GPU-hours of shrink at 1,024 GPUs, at a mean JCT x0.989 of shrink's" in text
+    assert "goodput's mean JCT is x1.000 of shrink's" in text and "30%, 10% of the fleet" in text

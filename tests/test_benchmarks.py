@@ -17,11 +17,11 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = out.read_text()
     for heading in ("## Start-up", "## Recovery", "## Overhead", "## Controller decision path", "## Driver CPU per round",
-                    "## Simulated goodput",
+                    "## Simulated goodput", "## Many jobs on one fleet, simulated",
                     "## Recovery: airay vs Ray Train", "## Checkpoint: memory, held time per save", "## Data path"):
         assert heading in text
     # Every table row carries a number, and each section names the command that produced it.
-    assert text.count("`python benchmarks/") == 8 and "`airay simulate --gpus 1024" in text
+    assert text.count("`python benchmarks/") == 9 and "`airay simulate --gpus 1024" in text
     assert "| 256 |" in text and "| 1024 | " in text and "cold / warm **" in text
     # Warm recovery's parts are measured and add up to less than a cold start of the same checkpoint.
     cells = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}

@@ -788,10 +788,11 @@ class Controller:
             self.rec.metric(**metric)
             records.append(metric)
             self.ckpt.note_wait(step, metric["checkpoint_wait_s"])
-            self.telemetry.step(metric, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
+            goodput_so_far = self.kept_step_s / max(1e-9, now - self.t_start)
+            self.telemetry.step(metric, self.restarts, goodput_so_far)
         self.data_log.record(start, values)
         if self.tracker is not None:
-            self.tracker.steps(records, self.restarts, self.kept_step_s / max(1e-9, now - self.t_start))
+            self.tracker.steps(records, self.restarts, goodput_so_far)
         resized = self.pending_resize is not None
         if resized:
             p = self.pending_resize

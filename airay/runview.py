@@ -133,9 +133,10 @@ def status_text(view: RunView) -> str:
     g = view.goodput
     last = view.metrics[-1] if view.metrics else None
     step = max(view.kept) + 1 if view.kept else 0
+    durable = durable_step(view)
     lines = [f"run {view.name} ({view.run_dir}): {view.status}, step {step}/{view.max_steps or '?'}, "
              f"wall {g.wall_s:.1f}s" + (f", eta {duration(eta_s(view))}" if view.status == "running" else "")
-             + f", newest durable step {durable_step(view) if durable_step(view) is not None else 'none'}"]
+             + f", newest durable step {durable if durable is not None else 'none'}"]
     if view.faults:
         lines.append(f"last fault at {view.faults[-1]['ts'] - view.t0:.1f}s: {fault_text(view.faults[-1])}")
     if last is not None:

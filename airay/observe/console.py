@@ -174,15 +174,18 @@ def _resize_text(e: dict[str, Any]) -> str:
     return resize_text(e)
 
 
+def every_field(event: dict[str, Any]) -> str:
+    """An event as `-v` prints it (without the prefix): its type, step and fields, each bounded."""
+    fields = {k: v for k, v in event.items() if k not in ("ts", "type", "step")}
+    return console_line(event["type"], event.get("step"), fields)[len(PREFIX) + 1:]
+
+
 def render(event: dict[str, Any], first_world: bool = False) -> str | None:
     """The default console's line for an event (without the prefix), or None."""
     if event["type"] == "world_formed":
         return _world_formed(event, first_world)
     fn = RENDER.get(event["type"])
-    if fn is None:
-        fields = {k: v for k, v in event.items() if k not in ("ts", "type", "step")}
-        return console_line(event["type"], event.get("step"), fields)[len(PREFIX) + 1:]
-    return fn(event)
+    return every_field(event) if fn is None else fn(event)
 
 
 class Console:
@@ -206,8 +209,7 @@ class Console:
 
     def event(self, event: dict[str, Any]) -> None:
         if self.verbose:
-            fields = {k: v for k, v in event.items() if k not in ("ts", "type", "step")}
-            return self.line(console_line(event["type"], event.get("step"), fields)[len(PREFIX) + 1:], limit=None)
+            return self.line(every_field(event), limit=None)
         if event["type"] == "world_formed":
             self._worlds += 1
         text = render(event, first_world=self._worlds == 1)

@@ -69,14 +69,15 @@ def new_steps(records: list[dict[str, Any]], logged_through: int | None) -> list
 
 def wanted(config) -> dict[str, str | None] | None:
     """Where to track, or None: the spec's tracking.mlflow, else MLFLOW_TRACKING_URI. Raises
-    ConfigError (before Ray starts) where tracking is asked for and MLflow is not installed."""
+    ConfigError (before Ray starts) where the variable asks for it and MLflow is not installed."""
     spec = config.tracking.mlflow
     uri = (spec.tracking_uri if spec else None) or os.environ.get("MLFLOW_TRACKING_URI")
     if spec is None and not uri:
         return None
     import importlib.util
 
-    if importlib.util.find_spec("mlflow") is None:
+    # A spec's tracking.mlflow is checked when the spec loads (config.MlflowSpec); this is the variable's.
+    if spec is None and importlib.util.find_spec("mlflow") is None:
         raise ConfigError("MLFLOW_TRACKING_URI is set but MLflow is not installed: pip install 'airay[mlflow]' "
                           "(or unset MLFLOW_TRACKING_URI)")
     return {"tracking_uri": uri,

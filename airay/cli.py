@@ -24,6 +24,7 @@ import json
 import sys
 
 from airay.config import ConfigError, JobConfig, spec_mapping, supervision
+from airay.sched.policy import POLICIES
 
 
 SUMMARY_RESIZES = 10  # resize lines in the summary; `airay status RUN_DIR` lists them all
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("-v", "--verbose", action="store_true",
                      help="print every event as it is recorded (default: progress, faults, recoveries, the summary)")
     run.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the supervised driver itself
+    _queue_flags(run)
     addr_help = "Ray dashboard address, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS, else the local cluster)"
     submit = sub.add_parser("submit", help="submit a job spec to a running Ray cluster (Ray's Job API)")
     submit.add_argument("spec", help="job spec YAML, inside the working directory")
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--run-dir", help="run directory on the cluster (default runs/NAME-TIMESTAMP there)")
     submit.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                         help="override a spec field, value parsed as YAML (repeatable)")
+    _queue_flags(submit)
     status = sub.add_parser("status", help="a run's progress, world, last fault, ETA, goodput")
     _reads_a_run(status, addr_help)
     logs = sub.add_parser("logs", help="a run's events as the console shows them (--job: the job's output)")
@@ -119,8 +122,20 @@ def main(argv: list[str] | None = None) -> int:
                     "none with --trace")
     sq.add_argument("--resize-s", type=float, default=None, help="default: airay's measured warm recovery")
     sq.add_argument("--json", action="store_true", help="print the rows as JSON")
+    queue = sub.add_parser("queue", help="the cluster's job queue: priority, team, size and target, state, and why")
+    queue.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS when it is not a dashboard URL, "
+                       "else `auto`: the cluster this machine is a node of; ray://HEAD:10001 from elsewhere)")
+    queue.add_argument("--quota", action="append", default=[], metavar="TEAM=WORKERS",
+                       help="set a team's guaranteed workers (0 removes it; repeatable)")
+    queue.add_argument("--policy", choices=POLICIES, help="set the scheduler's policy (default shrink)")
+    queue.add_argument("--all", action="store_true", help="also the jobs that ended")
+    queue.add_argument("--json", action="store_true", help="print the queue as JSON")
     args = parser.parse_args(argv)
+    if args.command in ("run", "submit"):  # --priority/--team are the queue's fields of the spec
+        args.set += [f"queue.{k}={v}" for k, v in (("priority", args.priority), ("team", args.team)) if v is not None]
 
+    if args.command == "queue":
+        return _queue(args)
     if args.command == "simulate":
         return _simulate(args)
     if args.command == "simulate-queue":
@@ -197,6 +212,11 @@ def _version() -> str:
         return version("airay")
     except PackageNotFoundError:  # a checkout run without installing
         return "unknown (not installed)"
+
+
+def _queue_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--priority", type=int, help="run under the cluster's scheduler at this priority (queue.priority)")
+    p.add_argument("--team", help="run under the cluster's scheduler, on this team's quota (queue.team)")
 
 
 def _reads_a_run(p: argparse.ArgumentParser, addr_help: str, what: str = "the run directory") -> None:
@@ -392,6 +412,72 @@ def _prune(args) -> int:
 
 READERS = {"status": _status, "logs": _logs, "plot": _plot, "checkpoints": _checkpoints, "prune": _prune,
            "export": _export}
+
+
+def _queue(args) -> int:
+    import os
+
+    import ray
+
+    from airay.sched.actor import scheduler
+    from airay.sched.queue import LIVE
+
+    try:
+        quotas = _quotas(args.quota)
+    except ValueError as exc:
+        print(f"airay: --quota: {exc}", file=sys.stderr)
+        return 2
+    address = args.address or os.environ.get("RAY_ADDRESS", "")
+    address = address if address and "://" not in address or address.startswith("ray://") else "auto"
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except ConnectionError as exc:
+        print(f"airay: no Ray cluster at {address}: {exc}; give --address (HOST:6379, or ray://HEAD:10001)",
+              file=sys.stderr)
+        return 2
+    try:
+        actor = scheduler(create=bool(quotas or args.policy))
+        if actor is None:
+            snap = {"jobs": [], "quotas": {}, "policy": None, "capacity": None}
+        elif quotas or args.policy:
+            snap = ray.get(actor.configure.remote(quotas, args.policy), timeout=60)
+        else:
+            snap = ray.get(actor.snapshot.remote(), timeout=60)
+    finally:
+        ray.shutdown()
+    jobs = [j for j in snap["jobs"] if args.all or j["state"] in LIVE]
+    if args.json:
+        return _print_json({**snap, "jobs": jobs})
+    print(queue_table(snap, jobs))
+    return 0
+
+
+def _quotas(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        team, sep, n = item.partition("=")
+        if not sep or not team or not n.strip().isdigit():
+            raise ValueError(f"give TEAM=WORKERS, e.g. research=16, not {item!r}")
+        out[team] = int(n)
+    return out
+
+
+def queue_table(snap: dict, jobs: list[dict]) -> str:
+    """The queue as `airay queue` prints it: one line per job, highest priority first."""
+    if snap.get("policy") is None:
+        return "no scheduler on this cluster: no job has been queued (a job spec's `queue:` section starts it)"
+    quotas = ", ".join(f"{t}={n}" for t, n in sorted(snap["quotas"].items())) or "none"
+    lines = [f"scheduler: policy {snap['policy']}, {snap['capacity']} workers, quotas {quotas}"]
+    if not jobs:
+        return "\n".join(lines + ["no jobs"])
+    lines.append(f"{'JOB':<28} {'TEAM':<12} {'PRIO':>4} {'STATE':<8} {'SIZE':>5} {'TARGET':>6} {'RANGE':>6} "
+                 f"{'STEP':>8}  REASON")
+    for j in sorted(jobs, key=lambda j: (-j["priority"], j["submit_ts"])):
+        step = f"{j['step']}/{j['max_steps']}" if j["max_steps"] else str(j["step"])
+        sizes = f"{j['min_workers']}-{j['max_workers']}"
+        lines.append(f"{j['id'][:28]:<28} {j['team'][:12]:<12} {j['priority']:>4} {j['state']:<8} {j['current']:>5} "
+                     f"{j['target']:>6} {sizes:>6} {step:>8}  {j['reason'][:100]}")
+    return "\n".join(lines)
 
 
 def _simulate(args) -> int:

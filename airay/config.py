@@ -402,6 +402,17 @@ class TrackingSpec(_Spec):
     mlflow: MlflowSpec | None = None
 
 
+class QueueSpec(_Spec):
+    """Run under the cluster's scheduler (airay.sched.actor): wait in its queue until admitted,
+    train at the size it gives, shrink (a planned shrink at a step boundary, no replayed step)
+    when it lowers the size for a job of higher priority, and grow back when it raises it."""
+
+    priority: int = Field(0, description="higher runs first, and may shrink or preempt jobs of lower priority")
+    team: str = Field("default", min_length=1, description="whose quota the job counts against "
+                      "(`airay queue --quota TEAM=N` sets a team's guaranteed workers)")
+    max_wait_s: float = Field(86400, gt=0, description="how long to wait in the queue for admission before failing")
+
+
 class JobConfig(_Spec):
     """A training job: model, data, DeepSpeed, batch, scaling, checkpoints and faults."""
 
@@ -432,6 +443,7 @@ class JobConfig(_Spec):
     timeouts: TimeoutSpec = Field(default_factory=TimeoutSpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    queue: QueueSpec | None = Field(None, description="run under the cluster's scheduler (see QueueSpec)")
     run_dir: str | None = Field(None, description="default: ./runs/NAME-TIMESTAMP")
 
     @field_validator("deepspeed")
@@ -504,6 +516,9 @@ class JobConfig(_Spec):
             raise ValueError(f"data.fetch_timeout_s ({fetch:g}) must be < timeouts.hang_timeout_s ({hang:g}): a rank "
                              "waiting that long for its data would be declared hung and killed, though the data is "
                              "at fault; lower data.fetch_timeout_s or raise timeouts.hang_timeout_s")
+        if self.queue is not None and self.cluster is not None:
+            raise ValueError("queue: a queued job runs on a shared cluster, and `cluster:` starts one of its own for "
+                             "this run only; remove `cluster:` and give ray_address (or RAY_ADDRESS)")
         steps = [(c.at_step, c.rank, c.during) for c in self.chaos
                  if c.fault not in ("add_node", "slow_worker", "kill_driver", "break_storage")]
         dup = sorted({s[:2] for s in steps if steps.count(s) > 1})

@@ -31,6 +31,7 @@ from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classi
 from airay.local_cluster import LocalCluster
 from airay.observe import mlflow_tracking
 from airay.observe.console import Progress
+from airay.sched.seat import QueueSeat
 from airay.telemetry import Pace, Telemetry
 from airay.worker_group import WorkerGroup
 
@@ -50,10 +51,12 @@ class RunFailed(RuntimeError):
 
 
 class State(enum.Enum):
+    QUEUED = "queued"  # waiting for the cluster's scheduler to admit the job (config.queue)
     STARTING = "starting"
     RUNNING = "running"
     RECOVERING = "recovering"
     GROWING = "growing"
+    SHRINKING = "shrinking"  # a planned shrink: the scheduler lowered the job's target
     PREEMPTED = "preempted"
     FINISHED = "finished"
     FAILED = "failed"
@@ -103,7 +106,8 @@ class _PendingResize:
 class Controller:
     def __init__(self, config: JobConfig, recorder: RunRecorder, local: LocalCluster | None,
                  stream: Stream | None = None, dataset=None, launch: dict[str, float] | None = None,
-                 driver_attempt: int | None = None, previous_exit: str | None = None, group_factory=WorkerGroup):
+                 driver_attempt: int | None = None, previous_exit: str | None = None, group_factory=WorkerGroup,
+                 queue_client=None):
         self.cfg = config
         self.launch = launch or {}  # when the user launched the run, and the cluster's start (airay.api.fit)
         self.rec = recorder
@@ -119,6 +123,9 @@ class Controller:
                                  ck.memory_budget_fraction,
                                  int(ck.memory_budget_gb * 1e9) if ck.memory_budget_gb is not None else None)
         self.group: WorkerGroup | None = None
+        # Under the cluster's scheduler (config.queue) the job's sizes are capped by the target it
+        # gives; `queue_client` stands in for the scheduler actor in unit tests.
+        self.seat = QueueSeat(config, recorder, queue_client) if config.queue is not None else None
         self.group_factory = group_factory  # WorkerGroup; unit tests script one without Ray (tests/fake_group.py)
         # A streamed dataset's feeder buffers a round (two when rounds are pipelined: the one
         # running and the next) plus what workers prefetch beyond it.
@@ -202,10 +209,13 @@ class Controller:
         # made; collectable again after it (no collection first: it would cost start-up ~0.1 s,
         # and garbage frozen with the heap is collected after the run).
         gc.freeze()
+        if self.seat is not None:
+            self.state = State.QUEUED
         try:
             while self.state not in (State.FINISHED, State.FAILED, State.PREEMPTED):
-                self.state = {State.STARTING: self._starting, State.RUNNING: self._running,
-                              State.RECOVERING: self._recovering, State.GROWING: self._growing}[self.state]()
+                self.state = {State.QUEUED: self._queued, State.STARTING: self._starting,
+                              State.RUNNING: self._running, State.RECOVERING: self._recovering,
+                              State.GROWING: self._growing, State.SHRINKING: self._shrinking}[self.state]()
         except Exception as exc:  # every failure ends as a recorded run_failed, never a leak
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RunFailed) else str(exc)
             # A decision (RunFailed) carries its reason; anything else is a driver bug: its traceback.
@@ -226,6 +236,8 @@ class Controller:
                 except Exception as exc:  # the cluster is going away: the tiers go with its nodes
                     self.rec.event("checkpoint_cleanup_failed", error=f"{type(exc).__name__}: {exc}")
                 self.group.shutdown()
+            if self.seat is not None:  # after the shutdown: the scheduler gives out what was released
+                self.seat.finish("done" if self.state == State.FINISHED else "failed")
             self.chaos.close()
             self.telemetry.close()
             gc.unfreeze()
@@ -233,33 +245,58 @@ class Controller:
 
     # ---- states ----------------------------------------------------------------------------
 
+    def _allowed(self) -> list[int]:
+        """The world sizes the run may take now: all of scaling's, or under the scheduler those
+        up to the target it gives."""
+        target = self.seat.target if self.seat is not None else None
+        return [s for s in self.sizes if not target or s <= target] or self.sizes[:1]
+
+    def _queued(self) -> State:
+        """Wait in the cluster's queue until the scheduler gives the job a size (config.queue)."""
+        deadline = time.time() + self.cfg.queue.max_wait_s
+        submitted = self.seat.submit()
+        while not self.seat.target:
+            if time.time() >= deadline:
+                raise RunFailed(f"the job waited queue.max_wait_s={self.cfg.queue.max_wait_s:g}s in the cluster's "
+                                f"queue without being admitted ({self.seat.reason or 'the scheduler did not answer'}); "
+                                "raise queue.priority or queue.max_wait_s, or see `airay queue`")
+            time.sleep(1.0)
+            submitted = submitted or self.seat.submit()
+            if submitted:
+                self.seat.poll(0, self.step)
+        return State.STARTING
+
     def _starting(self) -> State:
         sc = self.cfg.scaling
         if self.feeder is not None:  # the data pipeline starts up while workers do
             latest = self.ckpt.latest()
             self.feeder.seek(latest.step if latest else 0)
         per_worker = sc.resources_per_worker or self.group_factory.default_resources()
+        # Under the scheduler, placement groups are as small as the job may shrink by: a planned
+        # shrink gives back whole groups (airay.placement.group_sizes).
+        unit = sc.world_size_multiple if self.seat is not None else 0
         self.group = self.group_factory(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                         self.cfg.timeouts.survivor_drain_s, self.memory_base, self.job,
-                                        self.cfg.timeouts.phase_timeout_s)
+                                        self.cfg.timeouts.phase_timeout_s, unit=unit)
         self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
         # Room for the whole world, as a standing request the autoscaler acts on (a launcher
         # cluster that starts small grows; a lost node is replaced), withdrawn when the run ends.
-        self.group.demand(sc.max_workers)
+        sizes = self._allowed()
+        self.group.demand(sizes[-1])
         deadline = time.time() + self.cfg.timeouts.capacity_wait_s
         size = None
         while size is None:
             capacity = self.group.capacity()
-            fit_now = policy.choose_world_size(capacity, self.sizes)
+            fit_now = policy.choose_world_size(capacity, sizes)
             # Ray's per-node resource view lags by up to a second (e.g. right after another run
             # released its bundles), so ask for the full world first and let GCS decide.
-            for candidate in dict.fromkeys([self.sizes[-1], fit_now]):
+            for candidate in dict.fromkeys([sizes[-1], fit_now]):
                 placed = len(self.group.pending) + len(self.group.standby)
                 if candidate is not None and candidate > placed:
                     # The first world joins as soon as its workers are up: no warm-up engine.
                     if self.group.reserve(candidate - placed, timeout_s=3.0, warm=False):
                         self.rec.event("workers_placed", workers=len(self.group.pending) + len(self.group.standby))
-                size = policy.choose_world_size(len(self.group.pending) + len(self.group.standby), self.sizes)
+                size = policy.choose_world_size(len(self.group.pending) + len(self.group.standby), sizes)
                 if size is not None:
                     break
             if size is not None:
@@ -285,20 +322,27 @@ class Controller:
         self.ckpt.poll()
         self._check_checkpoints()
         every = self.cfg.timeouts.grow_check_every_n_steps
+        # The scheduler lowered the job's target: a planned shrink once no round is in flight.
+        shrink = self.seat is not None and self.seat.poll(len(self.group.active), self.step) is not None \
+            and self.seat.target < len(self.group.active)
         # A resize is done at its first step: a grow before it would replace its record
         # (resize_finished, recovery_s) with the grow's, and the recovery would go unreported.
-        grow = (self.step % every == 0 or self.grow_wanted) and self._can_grow() and self.pending_resize is None
+        raised = self.seat is not None and self.seat.target > len(self.group.active)  # by the scheduler
+        grow = not shrink and (self.step % every == 0 or self.grow_wanted or raised) and self._can_grow() \
+            and self.pending_resize is None
         if self.inflight is None:
             self.grow_wanted = False
             if self.preempt_deadline is not None:
                 return self._preempt()
+            if shrink:
+                return State.SHRINKING
             if grow:
                 return State.GROWING
             current = self._launch_round(self.step, self._round_end(self.step))
         else:
             current, self.inflight = self.inflight, None
             self.grow_wanted = grow
-        queue_end = None if grow or self.preempt_deadline is not None or self.preempted_seen \
+        queue_end = None if grow or shrink or self.preempt_deadline is not None or self.preempted_seen \
             else self._pipelined_end(current)
         if queue_end is not None:
             self.inflight = self._launch_round(current.end, queue_end)
@@ -465,7 +509,7 @@ class Controller:
         t_drained = time.time()
         sc = self.cfg.scaling
         group.poll_pending()
-        decision = policy.decide_recovery(len(group.active), len(group.standby), self.sizes)
+        decision = policy.decide_recovery(len(group.active), len(group.standby), self._allowed())
         if decision.action == "wait":
             need = self.sizes[0] - len(group.active)
             self.rec.event("waiting_for_capacity", step=self.step, have=len(group.active), need=self.sizes[0],
@@ -475,7 +519,7 @@ class Controller:
                 raise RunFailed(
                     f"world fell to {len(group.active)} worker(s), below scaling.min_workers={sc.min_workers}, "
                     f"and no capacity returned within timeouts.capacity_wait_s={self.cfg.timeouts.capacity_wait_s}s")
-            decision = policy.decide_recovery(len(group.active), len(group.standby), self.sizes)
+            decision = policy.decide_recovery(len(group.active), len(group.standby), self._allowed())
         new = decision.new_world_size
         t_ckpt = time.time()
         candidates = self.ckpt.candidates(self.group)
@@ -527,7 +571,7 @@ class Controller:
     def _growing(self) -> State:
         """Capacity came back: checkpoint this step, re-form bigger, reload it, go on (no step lost)."""
         old = len(self.group.active)
-        new = policy.should_grow(old, len(self.group.standby), self.sizes)
+        new = policy.should_grow(old, len(self.group.standby), self._allowed())
         t0 = time.time()
         self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="grow")
         if self.ckpt.last_saved_step != self.step and not self._checkpoint():
@@ -536,6 +580,57 @@ class Controller:
         parts = {"checkpoint_s": time.time() - t0}
         return State.RUNNING if self._form(new, candidates, t0=t0, old=old, reason="grow", parts=parts) \
             else State.RECOVERING
+
+    def _shrinking(self) -> State:
+        """A planned shrink (the scheduler lowered the target): checkpoint this step in memory,
+        give back whole placement groups, highest ranks first, re-form the rest and load the
+        step: no failure, no replayed step. Target 0 (preempted by a job of higher priority):
+        a durable checkpoint, every worker released, back to the queue until readmitted."""
+        group, old, target = self.group, len(self.group.active), self.seat.target
+        if target == 0:
+            return self._suspend()
+        idle = group.release_idle()  # workers standing by or starting beyond the target go first
+        if idle:
+            self.rec.event("placement_released", step=self.step, groups=idle, reason="scheduler")
+        new = policy.choose_world_size(target, self.sizes)
+        if new is None:  # below the job's smallest size: it cannot run at all
+            return self._suspend()
+        if new >= old:
+            return State.RUNNING
+        t0 = time.time()
+        ranks = group.releasable(old - new)
+        if len(ranks) != old - new:  # cannot happen with the scheduler's placement groups (unit)
+            raise RunFailed(f"the scheduler lowered the job to {new} workers, and its placement groups cannot give "
+                            f"back {old - new} (they hold whole groups of more bundles)")
+        self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="scheduler",
+                       released_ranks=ranks, target=target, why=self.seat.reason)
+        if self.ckpt.last_saved_step != self.step and not self._checkpoint(durable=False):
+            return State.RECOVERING
+        self.ckpt.wait(uploads=False)  # this step in memory is what the shrunk world loads
+        t_saved = time.time()
+        self.rec.event("placement_released", step=self.step, groups=group.release(ranks), reason="scheduler")
+        group.leave_all()
+        candidates = self.ckpt.candidates(group)
+        parts = {"checkpoint_s": t_saved - t0, "drain_s": time.time() - t_saved}
+        return State.RUNNING if self._form(new, candidates, t0=t0, old=old, reason="scheduler", parts=parts) \
+            else State.RECOVERING
+
+    def _suspend(self) -> State:
+        """Preempted by the scheduler: a durable checkpoint of this step, every worker and
+        placement group released, then back in the queue; readmitted, the job starts again from
+        that checkpoint (at whatever size it is then given)."""
+        self.rec.event("preemption_requested", step=self.step, signal="scheduler", grace_s=None, why=self.seat.reason)
+        saved = self.ckpt.last_saved_step == self.step and self.ckpt.last_saved_durable
+        if not saved and not self._checkpoint(durable=True):
+            return State.RECOVERING
+        self.ckpt.wait()
+        self._check_checkpoints()
+        self._require_durable("preemption")
+        self.group.end_memory(remove=False, keep=self.ckpt.memory_steps)
+        self.group.shutdown()
+        self.group = None
+        self.rec.event("suspended", step=self.step, checkpoint_step=self.ckpt.last_durable_step, why=self.seat.reason)
+        return State.QUEUED
 
     def _preempt(self) -> State:
         """Emergency checkpoint of this step to durable storage, then a clean exit; re-running the
@@ -751,12 +846,12 @@ class Controller:
         self._reserve_free_capacity()
         ready_for = time.time() - min((m.ready_ts for m in group.standby), default=time.time())
         return policy.grow_now(len(group.active), len(group.standby), len(group.pending), ready_for,
-                               self.cfg.timeouts.grow_settle_s, self.sizes)
+                               self.cfg.timeouts.grow_settle_s, self._allowed())
 
     def _reserve_free_capacity(self) -> None:
         """Start workers (in the background) on free capacity, up to max_workers in all."""
         group = self.group
-        want = self.cfg.scaling.max_workers - len(group.active) - len(group.standby) - len(group.pending)
+        want = self._allowed()[-1] - len(group.active) - len(group.standby) - len(group.pending)
         if want > 0:
             fit = min(want, group.capacity() - len(group.standby))
             if fit > 0:

@@ -22,20 +22,25 @@ def bundles_that_fit(available_per_node: list[dict[str, float]], per_worker: dic
     return sum(fits_per_node(available_per_node, per_worker))
 
 
-def group_sizes(n: int, fits: list[int], strategy: str) -> list[int]:
+def group_sizes(n: int, fits: list[int], strategy: str, unit: int = 0) -> list[int]:
     """The placement groups (bundles in each) that reserve `n` workers. One group, where GCS
     may spread it over nodes; with STRICT_PACK a group must fit on one node, so it is one group
     per node, the roomiest nodes first, each at most what that node fits now (fewer than `n`
-    in all when the nodes fit fewer)."""
+    in all when the nodes fit fewer). `unit` > 0 caps every group at `unit` bundles: a job under
+    the cluster's scheduler gives back capacity a whole group at a time (Ray releases no single
+    bundle of a group), so its groups are as small as the sizes it may shrink by."""
     if strategy != "STRICT_PACK":
-        return [n] if n > 0 else []
-    out = []
-    for fit in sorted(fits, reverse=True):
-        if n <= 0 or fit <= 0:
-            break
-        out.append(min(fit, n))
-        n -= out[-1]
-    return out
+        sizes = [n] if n > 0 else []
+    else:
+        sizes = []
+        for fit in sorted(fits, reverse=True):
+            if n <= 0 or fit <= 0:
+                break
+            sizes.append(min(fit, n))
+            n -= sizes[-1]
+    if unit <= 0:
+        return sizes
+    return [min(unit, k - start) for k in sizes for start in range(0, k, unit)]
 
 
 def actor_options(per_worker: dict[str, float]) -> dict:

@@ -37,6 +37,7 @@ class RunView:
     goodput: goodput.Goodput | None = None
     restarts: int = 0
     error: str | None = None
+    queue: dict[str, Any] | None = None  # under the cluster's scheduler: its last word on the job's size
 
 
 def load(run_dir: str | os.PathLike) -> RunView:
@@ -64,7 +65,7 @@ def load(run_dir: str | os.PathLike) -> RunView:
         resizes=[e for e in events if e["type"] == "resize_finished"],
         goodput=goodput.compute(events, metrics, end_ts=time.time() if status == "running" else None),
         restarts=sum(1 for e in events if e["type"] == "resize_started" and e.get("reason") == "failure"),
-        error=error)
+        error=error, queue=next((e for e in reversed(events) if e["type"] == "queue_target"), None))
 
 
 def durable_step(view: RunView) -> int | None:
@@ -97,7 +98,8 @@ def status_dict(view: RunView) -> dict[str, Any]:
             "restarts": view.restarts, "goodput": g.goodput if g else None,
             "wall_s": g.wall_s if g else None, "time_lost_s": g.lost_s if g else None,
             "resizes": [{k: r.get(k) for k in ("step", "old_world_size", "new_world_size", "reason", "recovery_s")}
-                        for r in view.resizes], "error": view.error}
+                        for r in view.resizes], "error": view.error,
+            "queue": {k: view.queue.get(k) for k in ("job_id", "target", "state", "reason")} if view.queue else None}
 
 
 def resize_text(r: dict[str, Any]) -> str:
@@ -137,6 +139,9 @@ def status_text(view: RunView) -> str:
     lines = [f"run {view.name} ({view.run_dir}): {view.status}, step {step}/{view.max_steps or '?'}, "
              f"wall {g.wall_s:.1f}s" + (f", eta {duration(eta_s(view))}" if view.status == "running" else "")
              + f", newest durable step {durable if durable is not None else 'none'}"]
+    if view.queue:
+        q = view.queue
+        lines.append(f"scheduler: job {q['job_id']} {q['state']}, target {q['target']}: {q['reason']}")
     if view.faults:
         lines.append(f"last fault at {view.faults[-1]['ts'] - view.t0:.1f}s: {fault_text(view.faults[-1])}")
     if last is not None:

@@ -47,9 +47,12 @@ class Member:
 
 class WorkerGroup:
     def __init__(self, spec: dict[str, Any], per_worker: dict[str, float], strategy: str,
-                 drain_s: float, memory_base: str, job: dict, phase_timeout_s: float = 600.0):
+                 drain_s: float, memory_base: str, job: dict, phase_timeout_s: float = 600.0, unit: int = 0):
         """`memory_base`: the job's memory-tier directory on every node; `job`: its identity;
-        `phase_timeout_s`: a rank without progress this long in a join, save or load is hung."""
+        `phase_timeout_s`: a rank without progress this long in a join, save or load is hung;
+        `unit`: bundles per placement group at most (0: as the strategy allows), so a planned
+        shrink can give back whole groups (airay.placement.group_sizes)."""
+        self.unit = unit
         self.spec = spec
         self.per_worker = per_worker
         self.strategy = strategy
@@ -277,7 +280,7 @@ class WorkerGroup:
         fits = placement.fits_per_node(placement.available_per_node(exclude=self.excluded), self.per_worker)
         pgs = [placement_group([dict(self.per_worker) for _ in range(k)], strategy=self.strategy,
                                bundle_label_selector=placement.avoid_nodes(self.excluded, k))
-               for k in placement.group_sizes(n, fits, self.strategy)]
+               for k in placement.group_sizes(n, fits, self.strategy, self.unit)]
         if not pgs:
             return 0
         refs = [pg.ready() for pg in pgs]
@@ -549,6 +552,29 @@ class WorkerGroup:
             released.append(pg.id.hex()[:8])
         return released
 
+    def release_idle(self) -> list[str]:
+        """Kill the workers standing by or starting and give back their placement groups (a
+        planned shrink: the scheduler gave the capacity to another job); returns the groups."""
+        for m in self.standby + self.pending:
+            ray.kill(m.actor, no_restart=True)
+        self.standby, self.pending = [], []
+        return self.release_vacant_groups()
+
+    def releasable(self, n: int) -> list[int]:
+        """Ranks whose placement groups, given back whole, free `n` workers: groups of active
+        ranks only, the highest ranks first (rank 0 hosts the rendezvous); fewer than `n` when
+        no set of whole groups makes exactly `n`."""
+        return ranks_to_release([id(m.pg) for m in self.active], n)
+
+    def release(self, ranks: list[int]) -> list[str]:
+        """Take `ranks` out of the world without replacing them, kill them and give back the
+        placement groups they leave vacant; returns those groups."""
+        gone = set(ranks)
+        for r in ranks:
+            ray.kill(self.active[r].actor, no_restart=True)
+        self.active = [m for r, m in enumerate(self.active) if r not in gone]
+        return self.release_vacant_groups()
+
     def leave_all(self) -> None:
         """Survivors of a failed round leave their broken process group (errors ignored)."""
         refs = [m.actor.leave.remote() for m in self.active]
@@ -584,6 +610,21 @@ class WorkerGroup:
             if all(table.get(i, {}).get("state", "REMOVED") == "REMOVED" for i in pg_ids):
                 break
             time.sleep(0.1)
+
+
+def ranks_to_release(groups: list, n: int) -> list[int]:
+    """Ranks (sorted) whose groups (`groups[rank]`: the rank's placement group) make exactly `n`
+    workers, taking whole groups, those of the highest ranks first; [] when none do."""
+    members: dict = {}
+    for rank, g in enumerate(groups):
+        members.setdefault(g, []).append(rank)
+    chosen: list[int] = []
+    for ranks in sorted(members.values(), key=max, reverse=True):
+        if len(chosen) + len(ranks) <= n:
+            chosen += ranks
+        if len(chosen) == n:
+            return sorted(chosen)
+    return []
 
 
 def gather_calls(refs: list, wait, outcome_of, drain_s: float, poll_s: float = 1.0, hung=None, failed=None,

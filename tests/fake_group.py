@@ -22,7 +22,7 @@ from typing import Any
 from airay.checkpoint.layout import CheckpointInfo, Manifest, step_name
 from airay.health import RankOutcome
 from airay.policy import BatchPlan
-from airay.worker_group import world_members
+from airay.worker_group import ranks_to_release, world_members
 
 FILE_BYTES = 64
 
@@ -347,6 +347,24 @@ class FakeGroup:
         self.active = [m for r, m in enumerate(self.active) if r not in lost]
         for _ in ranks:
             self._start()  # its replacement, in its bundle
+
+    def release_idle(self) -> list[str]:
+        """A planned shrink: idle workers go, their capacity back to the cluster."""
+        n = len(self.standby) + len(self.pending)
+        self.calls.append(("release_idle", n))
+        self.free += n
+        self.standby, self.pending = [], []
+        return [f"pg{i}" for i in range(n)]
+
+    def releasable(self, n: int) -> list[int]:
+        return ranks_to_release(list(range(len(self.active))), n)  # one placement group per worker
+
+    def release(self, ranks: list[int]) -> list[str]:
+        self.calls.append(("release", sorted(ranks)))
+        gone = set(ranks)
+        self.active = [m for r, m in enumerate(self.active) if r not in gone]
+        self.free += len(ranks)
+        return [f"pg{r}" for r in ranks]
 
     def exclude(self, node_id: str) -> list[int]:
         self.excluded.add(node_id)

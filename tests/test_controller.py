@@ -12,7 +12,7 @@ from tests.fake_group import FakeGroup, step_loss
 STEPS = 20
 
 
-def controller(tmp_path, script=None, ready_after=None, capacity=4, **overrides):
+def controller(tmp_path, script=None, ready_after=None, capacity=4, queue_client=None, **overrides):
     data = {"name": "fake", "model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.models.tiny_gpt:loss",
             "global_batch_size": 24, "micro_batch_size": 4, "max_steps": STEPS, "steps_per_round": 5,
             "scaling": {"min_workers": 2, "max_workers": 4, "resources_per_worker": {"CPU": 1}},
@@ -22,7 +22,7 @@ def controller(tmp_path, script=None, ready_after=None, capacity=4, **overrides)
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     factory = FakeGroup.factory(script, capacity=capacity, ready_after=ready_after)
     ctl = Controller(JobConfig.from_dict(data), RunRecorder(tmp_path / "run", echo=False), None,
-                     group_factory=factory)
+                     group_factory=factory, queue_client=queue_client)
     return ctl, factory
 
 

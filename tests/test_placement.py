@@ -32,3 +32,12 @@ def test_actor_options_take_exactly_one_bundle():
 def test_avoid_nodes_selector():
     assert placement.avoid_nodes(set(), 2) is None
     assert placement.avoid_nodes({"b", "a"}, 2) == [{"ray.io/node-id": "!in(a,b)"}] * 2
+
+
+def test_a_scheduled_job_reserves_groups_as_small_as_what_it_may_give_back():
+    # Under the scheduler a job shrinks by world_size_multiple at a time, and Ray releases whole
+    # groups only: its groups hold `unit` bundles (a STRICT_PACK node's group is cut too).
+    assert placement.group_sizes(4, [], "PACK", unit=1) == [1, 1, 1, 1]
+    assert placement.group_sizes(16, [], "PACK", unit=8) == [8, 8]
+    assert placement.group_sizes(20, [5, 8, 8], "STRICT_PACK", unit=4) == [4, 4, 4, 4, 4]
+    assert placement.group_sizes(6, [8], "STRICT_PACK", unit=4) == [4, 2]

@@ -158,6 +158,12 @@ RENDER: dict[str, Callable[[dict[str, Any]], str | None]] = {
     "run_failed": lambda e: f"{_at(e)}failed: {first_line(e.get('error'), 160)}",
     "driver_failed": lambda e: f"{_at(e)}driver failed: {first_line(e.get('error'), 160)}",
     "run_finished": lambda e: None,  # the summary says it (airay run), as does fit's Result
+    "queue_submitted": lambda e: f"queued as {e.get('job_id')} (team {e.get('team')}, priority {e.get('priority')})",
+    "queue_target": lambda e: f"{_at(e)}scheduler: {e.get('state')}, target {e.get('target')}: "
+                              f"{first_line(e.get('reason'), 120)}",
+    "queue_unreachable": lambda e: f"{_at(e)}the scheduler did not answer: keeping target {e.get('target')}",
+    "suspended": lambda e: f"{_at(e)}suspended by the scheduler, checkpoint of step {e.get('checkpoint_step')} kept; "
+                           "waiting to be readmitted",
 }
 QUIET = ("placement", "workers_placed", "placement_released", "world_formed", "worker_ready", "checkpoint_saved",
          "checkpoint_copied", "checkpoint_loaded", "checkpoint_ignored", "memory_budget", "incident_not_counted",

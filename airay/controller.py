@@ -264,6 +264,7 @@ class Controller:
             submitted = submitted or self.seat.submit()
             if submitted:
                 self.seat.poll(0, self.step)
+        self.seat.acknowledge()  # a preemption before this start is what this start carries out
         return State.STARTING
 
     def _starting(self) -> State:
@@ -324,7 +325,7 @@ class Controller:
         every = self.cfg.timeouts.grow_check_every_n_steps
         # The scheduler lowered the job's target: a planned shrink once no round is in flight.
         shrink = self.seat is not None and self.seat.poll(len(self.group.active), self.step) is not None \
-            and self.seat.target < len(self.group.active)
+            and (self.seat.target < len(self.group.active) or self.seat.preempted)
         # A resize is done at its first step: a grow before it would replace its record
         # (resize_finished, recovery_s) with the grow's, and the recovery would go unreported.
         raised = self.seat is not None and self.seat.target > len(self.group.active)  # by the scheduler
@@ -587,7 +588,7 @@ class Controller:
         step: no failure, no replayed step. Target 0 (preempted by a job of higher priority):
         a durable checkpoint, every worker released, back to the queue until readmitted."""
         group, old, target = self.group, len(self.group.active), self.seat.target
-        if target == 0:
+        if target == 0 or self.seat.preempted:  # evicted (and requeued, or readmitted at once): a restart
             return self._suspend()
         idle = group.release_idle()  # workers standing by or starting beyond the target go first
         if idle:
@@ -629,7 +630,8 @@ class Controller:
         self.group.end_memory(remove=False, keep=self.ckpt.memory_steps)
         self.group.shutdown()
         self.group = None
-        self.rec.event("suspended", step=self.step, checkpoint_step=self.ckpt.last_durable_step, why=self.seat.reason)
+        self.rec.event("suspended", step=self.step, checkpoint_step=self.ckpt.last_durable_step, why=self.seat.reason,
+                       target=self.seat.target)
         return State.QUEUED
 
     def _preempt(self) -> State:

@@ -57,6 +57,9 @@ FULL = {
     # The "before" is airay at the commit before the start-up work (c9acdb2), run in a worktree.
     "startup": ["--repeats", "3", "--baseline", "c9acdb2"],
     "sched_sim": ["--jobs", "1200", "--gpus", "1024,4096", "--seeds", "3", "--slow-resize-s", "300"],
+    # Not in the reduced run (3 drivers on a cluster, twice: ~5 min); its driver path is tested by
+    # tests/test_sched_cluster.py.
+    "sched_cluster": ["--stagger", "15", "--repeats", "1"],
 }
 SCRIPT: dict[str, str] = {}  # sections run by another section's script
 TIMEOUT_S = {"goodput": 3 * 3600}  # seconds a section may run (default 30 min)
@@ -289,6 +292,49 @@ def render_sched_sim(res: dict) -> list[str]:
                      f"{r['high_wait_p99_s'] / 60:.1f} | {r['wait_mean_s'] / 60:.1f} | {r['utilisation']:.3f} | "
                      f"{r['lost_gpu_h']:,.0f} | {lost} | {r['preemptions']:.0f} | {r['resizes']:.0f} |")
     return lines + ["", sched_sim_verdict(res["rows"])]
+
+
+SCHED_JOBS = ("low-a", "low-b", "high")
+
+
+def render_sched_cluster(res: dict) -> list[str]:
+    """Three jobs on a real local cluster under the scheduler (benchmarks/sched_cluster.py)."""
+    a = res["args"]
+    runs = res["runs"]
+    lines = [f"A local cluster of 2 nodes x 2 CPUs (4 workers), three `airay run` drivers arriving {a['stagger']:g} s "
+             f"apart: low-a and low-b (priority 0, 2-4 workers, {a['low_steps']} steps, paced by a "
+             f"{a['delay']:g} s sleep per forward so they are still training when the others come), then high "
+             f"(priority 10, 2 workers, {a['high_steps']} steps, unpaced). Per policy a fresh cluster; "
+             f"{'medians of ' + str(a['repeats']) + ' runs' if a['repeats'] > 1 else 'one run each'}. First step: "
+             "launch to the first trained step (start-up included); done: launch to the end; lost worker-s: "
+             "worker-seconds held (from each placement, to a suspension or the end) less those of the kept steps. "
+             "Evicted jobs are checkpointed before they go (the baseline gets that for free).", "",
+             "| policy | job | first step s | done s | lost worker-s | worlds | suspensions |", "|" + " --- |" * 7]
+    for policy in ("evict", "shrink"):
+        for job in SCHED_JOBS:
+            med, last = res["median"][policy][job], runs[policy][-1][job]
+            lines.append(f"| {policy} | {job} | {med['first_step_s']:.1f} | {med['completion_s']:.1f} | "
+                         f"{med['lost_worker_s']:.1f} | {' → '.join(map(str, last['world_sizes']))} | "
+                         f"{last['suspensions']} |")
+    return lines + ["", sched_cluster_verdict(res)]
+
+
+def sched_cluster_verdict(res: dict) -> str:
+    m, lost, done = res["median"], res["low_lost_worker_s"], res["mean_completion_s"]
+    return (f"The high-priority job's first step came after {m['shrink']['high']['first_step_s']:.1f} s under shrink "
+            f"against {m['evict']['high']['first_step_s']:.1f} s under evict (ratio "
+            f"**{res['high_first_step_ratio']:.3f}**); the low-priority jobs lost {lost['shrink']:.1f} worker-s "
+            f"under shrink against {lost['evict']:.1f} under evict; the mean completion time was "
+            f"{done['shrink']:.1f} s against {done['evict']:.1f} s. Every job's per-step losses agree between the "
+            f"policies within {res['max_loss_rel_diff']:.1e} (relative). Three jobs on four workers, one run: a "
+            "check that the mechanism works end to end on real drivers, not a fleet-scale result (the simulator "
+            "above is that).")
+
+
+def readme_sched_cluster(results: dict) -> list[str]:
+    s = results["sched_cluster"]
+    return [f"Measured ({_ran(s)}; BENCHMARKS.md, \"Many jobs on one cluster\"): "
+            + sched_cluster_verdict(s["result"])]
 
 
 def sched_sim_verdict(rows: list[dict]) -> str:
@@ -527,6 +573,8 @@ RENDERERS = {  # section -> (heading, renderer of its result), in BENCHMARKS.md'
     "simulate": ("Simulated goodput on large fleets (`airay simulate`)", render_simulate),
     "sched_sim": ("Many jobs on one fleet, simulated: evict vs shrink vs goodput-aware (`airay simulate-queue`)",
                   render_sched_sim),
+    "sched_cluster": ("Many jobs on one cluster, measured: shrink vs evict-and-requeue (3 jobs, a local cluster)",
+                      render_sched_cluster),
     "gpu": ("GPU: airay's CUDA/NCCL path, throughput and MFU against plain DeepSpeed", render_gpu),
 }
 GPU_ONLY = {"gpu": ["--steps", "25", "--warmup", "5"]}  # needs CUDA: rendered from benchmarks/results
@@ -877,6 +925,7 @@ README_BLOCKS = {  # README marker name -> (the results it needs, renderer)
     "goodput": (("goodput",), readme_goodput),
     "gpu": (("gpu",), readme_gpu),
     "simulate": (("simulate",), readme_simulate),
+    "sched_cluster": (("sched_cluster",), readme_sched_cluster),
 }
 BLOCK = re.compile(r"<!-- measured:([\w-]+) -->\n.*?<!-- /measured:\1 -->", re.S)
 

@@ -17,8 +17,8 @@ class ScriptedQueue:
     (queued, or preempted) each poll takes the next of `readmit` instead, and the first nonzero
     one admits the job at that size."""
 
-    def __init__(self, targets: dict[int, int], readmit: list[int] = ()):
-        self.targets, self.readmit = dict(targets), list(readmit)
+    def __init__(self, targets: dict[int, int], readmit: list[int] = (), evicted_at: int | None = None):
+        self.targets, self.readmit, self.evicted_at = dict(targets), list(readmit), evicted_at
         self.finished: list[str] = []
         self.step = 0
 
@@ -27,7 +27,9 @@ class ScriptedQueue:
         target = self.targets[key]
         if target == 0 and self.readmit:
             target = self.targets[key] = self.readmit.pop(0)
-        return {"target": target, "state": "running" if target else "queued", "reason": f"given {target}"}
+        evicted = self.evicted_at is not None and self.step >= self.evicted_at
+        return {"target": target, "state": "running" if target else "queued", "reason": f"given {target}",
+                "preemptions": int(evicted)}
 
     def submit(self):
         return self._reply()
@@ -94,3 +96,15 @@ def test_ranks_to_release_takes_whole_groups_highest_ranks_first():
     assert ranks_to_release(["a", "a", "b", "b"], 2) == [2, 3]
     assert ranks_to_release(["a", "a", "b", "b", "b"], 2) == [0, 1]  # the last group holds 3
     assert ranks_to_release(["a", "a", "a", "a"], 2) == []  # one group of 4 gives back none of 2
+
+
+def test_a_job_evicted_and_readmitted_at_once_restarts_from_a_durable_checkpoint_instead_of_resizing(tmp_path):
+    # The evict policy (Kueue-like) requeues a whole job and may readmit it in the same decision
+    # at the size that is left: the driver carries that out as the eviction it is, a restart.
+    queue = ScriptedQueue({0: 4, 10: 2}, evicted_at=10)
+    ctl, factory, result = run(tmp_path, queue)
+    assert result.status == "finished" and result.world_sizes == [4, 2]
+    assert [(e["step"], e["target"]) for e in events(ctl, "suspended")] == [(10, 2)]
+    assert len(factory.made) == 2 and ("shutdown", None) in factory.made[0].calls
+    assert not [e for e in events(ctl, "resize_started") if e["reason"] == "scheduler"]
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})

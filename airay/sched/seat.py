@@ -40,6 +40,8 @@ class QueueSeat:
         self.target: int | None = None  # None until the scheduler first answers
         self.reason = ""
         self.unreachable = False
+        self.preemptions = 0  # as the scheduler counts them; those carried out (acknowledged)
+        self.acknowledged = 0
 
     def submit(self) -> bool:
         reply = self.client.submit()
@@ -52,6 +54,15 @@ class QueueSeat:
         """The target now (the last one known when the scheduler does not answer in time)."""
         self._take(self.client.report(current, step), step)
         return self.target
+
+    @property
+    def preempted(self) -> bool:
+        """The scheduler preempted the job (evicted it, perhaps readmitting it at once at another
+        size) since the driver last started its world: it restarts from a checkpoint."""
+        return self.preemptions > self.acknowledged
+
+    def acknowledge(self) -> None:
+        self.acknowledged = self.preemptions
 
     def finish(self, status: str) -> None:
         self.client.finish(status)
@@ -67,4 +78,5 @@ class QueueSeat:
             self.rec.event("queue_target", step=step, job_id=self.job_id, target=reply["target"],
                            previous=self.target, state=reply["state"], reason=reply["reason"])
         self.target, self.reason = reply["target"], reply["reason"]
+        self.preemptions = reply.get("preemptions", 0)
         return True

@@ -68,7 +68,7 @@ REDUCED = {
     "overhead": ["--min-pairs", "2", "--max-pairs", "2", "--window", "1.5"],
     "decision": ["--workers", "256", "--repeats", "3"],
     "driver_scale": ["--reduced"],
-    "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "12", "--fault-step", "7"],
+    "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "10", "--fault-step", "6"],
     "checkpoint": ["--reduced"],
     "data": ["--reduced"],
     "startup": ["--repeats", "1", "--no-ray-train"],

@@ -90,3 +90,42 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("airay ")
+
+
+def test_a_queued_runs_status_says_why_it_has_its_size(live_run, capsys):
+    rec = RunRecorder(live_run, echo=False)
+    rec.event("queue_target", step=12, job_id="cli-1234", target=2, previous=4, state="running",
+              reason="running at 2 of 4: shrunk for prod-9 (priority 10)")
+    rec.close()
+    assert main(["status", str(live_run)]) == 0
+    assert "scheduler: job cli-1234 running, target 2: running at 2 of 4: shrunk for prod-9 (priority 10)" \
+        in capsys.readouterr().out
+    assert main(["status", str(live_run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["queue"]["target"] == 2
+
+
+def test_queue_prints_one_line_per_job_highest_priority_first():
+    from airay.cli import queue_table
+
+    def job(id, prio, state, current, target, reason, ts):
+        return {"id": id, "team": "t", "priority": prio, "state": state, "current": current, "target": target,
+                "min_workers": 2, "max_workers": 4, "step": 7, "max_steps": 100, "reason": reason, "submit_ts": ts}
+    snap = {"policy": "shrink", "capacity": 4, "quotas": {"t": 2}}
+    lines = queue_table(snap, [job("low", 0, "running", 4, 2, "running at 2 of 4: shrunk for high", 1),
+                               job("high", 10, "running", 0, 2, "running at 2 (its max)", 2)]).splitlines()
+    assert lines[0] == "scheduler: policy shrink, 4 workers, quotas t=2"
+    assert [line.split()[0] for line in lines[2:]] == ["high", "low"]
+    assert lines[3].split()[:8] == ["low", "t", "0", "running", "4", "2", "2-4", "7/100"]
+    assert queue_table({"policy": None}, []).startswith("no scheduler on this cluster")
+
+
+def test_priority_and_team_flags_queue_the_job_and_a_local_cluster_spec_is_refused_before_ray(tmp_path, capsys):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model: {factory: airay.models.tiny_gpt:build}\nloss_fn: airay.models.tiny_gpt:loss\n"
+                    "global_batch_size: 8\nmicro_batch_size: 2\nmax_steps: 4\ncluster: {local_nodes: 2}\n"
+                    "health: {max_driver_restarts: 0}\n")
+    assert main(["run", str(spec), "--priority", "5", "--team", "prod"]) == 2
+    err = capsys.readouterr().err
+    assert "queue: a queued job runs on a shared cluster" in err and "remove `cluster:`" in err
+    assert main(["queue", "--quota", "prod"]) == 2
+    assert "give TEAM=WORKERS" in capsys.readouterr().err

@@ -212,11 +212,11 @@ CASES = {  # id: (stage, old world, new world, DeepSpeed overrides)
     "zero3-3to4": (3, 3, 4, None),
     "zero1-2to3": (1, 2, 3, None),
     "zero3-subgroups-4to3": (3, 4, 3, SMALL_SUB_GROUPS),
-    "zero3-subgroups-3to4": (3, 3, 4, SMALL_SUB_GROUPS),
     # The layouts users run: bf16 names its files bf16_..., keeps bf16 weights and fp32 masters.
     "zero2-bf16-4to3": (2, 4, 3, BF16),
     # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, not the ZeRO one.
     "zero1-bf16-fp32accum-3to2": (1, 3, 2, _with(BF16, {"data_types": {"grad_accum_dtype": "fp32"}})),
+    # Sub-groups whose boundaries move: fp32 as the world shrinks, bf16 as it grows.
     "zero3-bf16-subgroups-3to4": (3, 3, 4, _with(BF16, SMALL_SUB_GROUPS)),
     "zero2-bf16-offload-3to4": (2, 3, 4, _with(BF16, OFFLOAD)),
     "zero3-bf16-offload-subgroups-4to3": (3, 4, 3, _with(BF16, OFFLOAD, SMALL_SUB_GROUPS)),

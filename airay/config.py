@@ -462,6 +462,13 @@ class JobConfig(_Spec):
             raise ValueError(
                 f"remove {owned}: airay sets them from global_batch_size and micro_batch_size "
                 "for each world size")
+        tp = (value.get("tensor_parallel") or {}).get("autotp_size", 1)
+        sp = value.get("sequence_parallel_size", 1)
+        if tp != 1 or sp != 1:
+            field = "tensor_parallel.autotp_size" if tp != 1 else "sequence_parallel_size"
+            raise ValueError(f"{field} ({tp if tp != 1 else sp}): airay's world is data parallel only (ZeRO 0-3 over "
+                             "every rank) and would split the model where DeepSpeed does not expect it; remove it "
+                             "(model parallelism is not supported yet)")
         stage = value.get("zero_optimization", {}).get("stage", 0)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")

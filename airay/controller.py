@@ -323,9 +323,11 @@ class Controller:
         self.ckpt.poll()
         self._check_checkpoints()
         every = self.cfg.timeouts.grow_check_every_n_steps
-        # The scheduler lowered the job's target: a planned shrink once no round is in flight.
-        shrink = self.seat is not None and self.seat.poll(len(self.group.active), self.step) is not None \
-            and (self.seat.target < len(self.group.active) or self.seat.preempted)
+        # The scheduler lowered the job's target below what it holds (its world, and workers
+        # standing by or starting): a planned shrink once no round is in flight.
+        group = self.group
+        shrink = self.seat is not None and self.seat.poll(len(group.active), self.step) is not None \
+            and (self.seat.target < len(group.active) + len(group.standby) + len(group.pending) or self.seat.preempted)
         # A resize is done at its first step: a grow before it would replace its record
         # (resize_finished, recovery_s) with the grow's, and the recovery would go unreported.
         raised = self.seat is not None and self.seat.target > len(self.group.active)  # by the scheduler

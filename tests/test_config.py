@@ -81,6 +81,16 @@ def test_bad_zero_stage_and_missing_deepspeed_file(tmp_path):
     assert "ds.json' does not exist" in msg
 
 
+def test_deepspeed_model_parallelism_is_refused_before_ray_naming_the_key():
+    msg = error_for(lambda s: s["deepspeed"].update(tensor_parallel={"autotp_size": 2}))
+    assert "tensor_parallel.autotp_size (2)" in msg and "remove it" in msg
+    msg = error_for(lambda s: s["deepspeed"].update(sequence_parallel_size=4))
+    assert "sequence_parallel_size (4)" in msg
+    spec = demo_dict()
+    spec["deepspeed"]["tensor_parallel"] = {"autotp_size": 1}  # size 1 splits nothing
+    assert JobConfig.from_dict(spec).deepspeed["tensor_parallel"] == {"autotp_size": 1}
+
+
 def test_layouts_airay_cannot_reshard_are_refused_when_the_world_can_change_size():
     """round_robin_gradients and elastic_checkpoint (ZeRO-1/2) write checkpoints that cannot be
     resharded (tests/test_reshard.py's probes): refused before Ray starts, naming the key and the

@@ -108,3 +108,16 @@ def test_a_job_evicted_and_readmitted_at_once_restarts_from_a_durable_checkpoint
     assert len(factory.made) == 2 and ("shutdown", None) in factory.made[0].calls
     assert not [e for e in events(ctl, "resize_started") if e["reason"] == "scheduler"]
     assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})
+
+
+def test_a_replacement_beyond_a_lowered_target_is_given_back_not_grown_into(tmp_path):
+    # Rank 3 dies in the second round: the world goes on at 3 while its replacement starts (slowly:
+    # 50 polls); the
+    # scheduler lowers the target to 3, so the replacement's bundle is another job's now.
+    queue = ScriptedQueue({0: 4, 10: 3})
+    ctl, factory, result = run(tmp_path, queue, script={"train": {2: {3: "died"}}}, ready_after=[0, 0, 0, 0, 50])
+    assert result.status == "finished" and result.world_sizes == [4, 3]
+    group = factory.made[0]
+    assert [c for c in group.calls if c[0] == "release_idle"] == [("release_idle", 1)]
+    assert not group.standby and not group.pending
+    assert ctl.losses == pytest.approx({s: step_loss(s) for s in range(STEPS)})

@@ -1,0 +1,1 @@
+"""Model parallelism: the world as data-parallel replicas x model-parallel groups (layout)."""

@@ -330,7 +330,7 @@ class Controller:
             and (self.seat.target < len(group.active) + len(group.standby) + len(group.pending) or self.seat.preempted)
         # A resize is done at its first step: a grow before it would replace its record
         # (resize_finished, recovery_s) with the grow's, and the recovery would go unreported.
-        raised = self.seat is not None and self.seat.target > len(self.group.active)  # by the scheduler
+        raised = self.seat is not None and (self.seat.target or 0) > len(group.active)  # by the scheduler
         grow = not shrink and (self.step % every == 0 or self.grow_wanted or raised) and self._can_grow() \
             and self.pending_resize is None
         if self.inflight is None:

@@ -623,12 +623,8 @@ class Controller:
         placement group released, then back in the queue; readmitted, the job starts again from
         that checkpoint (at whatever size it is then given)."""
         self.rec.event("preemption_requested", step=self.step, signal="scheduler", grace_s=None, why=self.seat.reason)
-        saved = self.ckpt.last_saved_step == self.step and self.ckpt.last_saved_durable
-        if not saved and not self._checkpoint(durable=True):
+        if not self._durable_now():
             return State.RECOVERING
-        self.ckpt.wait()
-        self._check_checkpoints()
-        self._require_durable("preemption")
         self.group.end_memory(remove=False, keep=self.ckpt.memory_steps)
         self.group.shutdown()
         self.group = None
@@ -642,15 +638,22 @@ class Controller:
         t0 = time.time()
         self.rec.event("preemption_requested", step=self.step, signal=self.preempt_signal,
                        grace_s=self.cfg.checkpoint.preemption_grace_s)
-        saved = self.ckpt.last_saved_step == self.step and self.ckpt.last_saved_durable
-        if not saved and not self._checkpoint(durable=True):
+        if not self._durable_now():
             return State.RECOVERING  # a rank was lost meanwhile: recover, then checkpoint again
-        self.ckpt.wait()  # the commit's outcome (retried on failure)
-        self._check_checkpoints()
-        self._require_durable("preemption")
         self.rec.event("preempted", step=self.step, checkpoint_step=self.ckpt.last_durable_step,
                        checkpoint_s=time.time() - t0, within_grace=time.time() <= self.preempt_deadline)
         return State.PREEMPTED
+
+    def _durable_now(self) -> bool:
+        """This step committed to durable storage before the job lets its workers go (a
+        preemption, by a signal or by the scheduler). False: a rank was lost meanwhile."""
+        saved = self.ckpt.last_saved_step == self.step and self.ckpt.last_saved_durable
+        if not saved and not self._checkpoint(durable=True):
+            return False
+        self.ckpt.wait()  # the commit's outcome (retried on failure)
+        self._check_checkpoints()
+        self._require_durable("preemption")
+        return True
 
     def _finish(self) -> State:
         if self.ckpt.last_saved_step != self.step:

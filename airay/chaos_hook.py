@@ -107,7 +107,8 @@ class ChaosHook:
                 continue
             ref, cleanup = chaos.bad_block(fault.fault)
             self.cleanups.append(cleanup)
-            feed[fault.at_step] = chaos.spoil_rows(feed[fault.at_step], *plans[world].rank_rows(fault.rank), ref)
+            replica = fault.rank * plans[world].world_size // world  # its replica's rows (model parallelism)
+            feed[fault.at_step] = chaos.spoil_rows(feed[fault.at_step], *plans[world].rank_rows(replica), ref)
             self._injected(i, fault.at_step, round_start=start, block=ref.hex())
             struck = True
         return struck

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -462,13 +463,17 @@ class JobConfig(_Spec):
             raise ValueError(
                 f"remove {owned}: airay sets them from global_batch_size and micro_batch_size "
                 "for each world size")
-        tp = (value.get("tensor_parallel") or {}).get("autotp_size", 1)
+        tp = (value.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
         sp = value.get("sequence_parallel_size", 1)
-        if tp != 1 or sp != 1:
-            field = "tensor_parallel.autotp_size" if tp != 1 else "sequence_parallel_size"
-            raise ValueError(f"{field} ({tp if tp != 1 else sp}): airay's world is data parallel only (ZeRO 0-3 over "
-                             "every rank) and would split the model where DeepSpeed does not expect it; remove it "
-                             "(model parallelism is not supported yet)")
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel.autotp_size must be a whole number >= 1, got {tp!r}")
+        if sp != 1:
+            raise ValueError(f"sequence_parallel_size ({sp}): airay does not run sequence parallelism yet; remove it "
+                             "(tensor_parallel.autotp_size splits the model within a replica)")
+        if tp > 1 and value.get("zero_optimization", {}).get("stage", 0) == 3:
+            raise ValueError(f"tensor_parallel.autotp_size ({tp}) with zero_optimization.stage 3: airay reshards "
+                             "tensor-parallel checkpoints at ZeRO stages 0-2; use stage 1 or 2 (each replica's "
+                             "optimizer state is still partitioned over the data-parallel replicas)")
         stage = value.get("zero_optimization", {}).get("stage", 0)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -476,8 +481,18 @@ class JobConfig(_Spec):
 
     @model_validator(mode="after")
     def _plans_and_chaos(self) -> "JobConfig":
+        mp, sc = self.model_parallel_size, self.scaling
+        if mp > 1:
+            for name in ("min_workers", "max_workers"):
+                if getattr(sc, name) % mp:
+                    raise ValueError(f"scaling.{name} ({getattr(sc, name)}) must be a multiple of the model-parallel "
+                                     f"size {mp} (deepspeed.tensor_parallel.autotp_size): the world is whole "
+                                     "replicas of the model; it counts ranks")
+            if sc.placement_strategy == "SPREAD":
+                raise ValueError("scaling.placement_strategy SPREAD: a model-parallel group's ranks must share a node "
+                                 "(tensor parallelism needs its fast links); use PACK or STRICT_PACK")
         try:
-            policy.batch_plans(self.global_batch_size, self.micro_batch_size, self.scaling.world_sizes)
+            self.batch_plans()
         except policy.PolicyError as exc:
             raise ValueError(str(exc)) from exc
         if self.max_steps is None and self.data.epochs is None:
@@ -516,7 +531,7 @@ class JobConfig(_Spec):
             raise ValueError(f"checkpoint.export_hf reads and writes a directory; checkpoint.path is the URI "
                              f"{self.checkpoint.path}: export afterwards with `airay export` from a local copy")
         unreshardable = unreshardable_layout(self.deepspeed, self.zero_stage)
-        if unreshardable and len(self.scaling.world_sizes) > 1:
+        if unreshardable and len(self.world_sizes) > 1:
             raise ValueError(f"{unreshardable}, or a fixed world (scaling.min_workers = max_workers)")
         fetch, hang = self.data.fetch_timeout_s, self.timeouts.hang_timeout_s
         if fetch is not None and fetch >= hang:
@@ -548,6 +563,23 @@ class JobConfig(_Spec):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks per model replica (deepspeed.tensor_parallel.autotp_size; 1: pure data parallel)."""
+        return int((self.deepspeed.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+
+    @property
+    def world_sizes(self) -> list[int]:
+        """The world sizes the run may take, smallest first: scaling's, whole replicas only."""
+        sc = self.scaling
+        return policy.allowed_world_sizes(sc.min_workers, sc.max_workers,
+                                          math.lcm(sc.world_size_multiple, self.model_parallel_size))
+
+    def batch_plans(self) -> dict[int, "policy.BatchPlan"]:
+        """The batch plan of each allowed world size: over its data-parallel replicas."""
+        return policy.batch_plans(self.global_batch_size, self.micro_batch_size, self.world_sizes,
+                                  self.model_parallel_size)
 
     @property
     def needs_local_cluster(self) -> bool:

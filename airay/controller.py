@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import math
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -112,16 +113,18 @@ class Controller:
         self.launch = launch or {}  # when the user launched the run, and the cluster's start (airay.api.fit)
         self.rec = recorder
         self.local = local
-        self.sizes = config.scaling.world_sizes  # allowed world sizes, smallest first
-        self.plans = policy.batch_plans(config.global_batch_size, config.micro_batch_size, self.sizes)
+        self.sizes = config.world_sizes  # allowed world sizes, smallest first (whole model replicas)
+        self.plans = config.batch_plans()
         ck = config.checkpoint
         root = ck.path or str(recorder.run_dir / "checkpoints")
-        self.job = job_identity(config.name, config.model.model_dump(mode="json"), config.zero_stage)
+        self.job = job_identity(config.name, config.model.model_dump(mode="json"), config.zero_stage,
+                                config.model_parallel_size)
         self.memory_base = str(memory_base(ck.memory_path, root))
         self.ckpt = Checkpointer(root, config.zero_stage, ck.keep_last, recorder, self.job, self.memory_base,
                                  ck.memory_keep_last, ck.upload_retries, config.health.max_checkpoint_failures,
                                  ck.memory_budget_fraction,
-                                 int(ck.memory_budget_gb * 1e9) if ck.memory_budget_gb is not None else None)
+                                 int(ck.memory_budget_gb * 1e9) if ck.memory_budget_gb is not None else None,
+                                 model_parallel=config.model_parallel_size)
         self.group: WorkerGroup | None = None
         # Under the cluster's scheduler (config.queue) the job's sizes are capped by the target it
         # gives; `queue_client` stands in for the scheduler actor in unit tests.
@@ -275,10 +278,12 @@ class Controller:
         per_worker = sc.resources_per_worker or self.group_factory.default_resources()
         # Under the scheduler, placement groups are as small as the job may shrink by: a planned
         # shrink gives back whole groups (airay.placement.group_sizes).
-        unit = sc.world_size_multiple if self.seat is not None else 0
+        mp = self.cfg.model_parallel_size
+        unit = math.lcm(sc.world_size_multiple, mp) if self.seat is not None else 0
         self.group = self.group_factory(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
                                         self.cfg.timeouts.survivor_drain_s, self.memory_base, self.job,
-                                        self.cfg.timeouts.phase_timeout_s, unit=unit)
+                                        self.cfg.timeouts.phase_timeout_s, unit=unit,
+                                        **({"mp": mp} if mp > 1 else {}))  # model-parallel groups share a node
         self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
         # Room for the whole world, as a standing request the autoscaler acts on (a launcher
         # cluster that starts small grows; a lost node is replaced), withdrawn when the run ends.
@@ -512,7 +517,7 @@ class Controller:
         t_drained = time.time()
         sc = self.cfg.scaling
         group.poll_pending()
-        decision = policy.decide_recovery(len(group.active), len(group.standby), self._allowed())
+        decision = policy.decide_recovery(len(group.active), group.formable() - len(group.active), self._allowed())
         if decision.action == "wait":
             need = self.sizes[0] - len(group.active)
             self.rec.event("waiting_for_capacity", step=self.step, have=len(group.active), need=self.sizes[0],
@@ -522,7 +527,7 @@ class Controller:
                 raise RunFailed(
                     f"world fell to {len(group.active)} worker(s), below scaling.min_workers={sc.min_workers}, "
                     f"and no capacity returned within timeouts.capacity_wait_s={self.cfg.timeouts.capacity_wait_s}s")
-            decision = policy.decide_recovery(len(group.active), len(group.standby), self._allowed())
+            decision = policy.decide_recovery(len(group.active), group.formable() - len(group.active), self._allowed())
         new = decision.new_world_size
         t_ckpt = time.time()
         candidates = self.ckpt.candidates(self.group)
@@ -574,7 +579,7 @@ class Controller:
     def _growing(self) -> State:
         """Capacity came back: checkpoint this step, re-form bigger, reload it, go on (no step lost)."""
         old = len(self.group.active)
-        new = policy.should_grow(old, len(self.group.standby), self._allowed())
+        new = policy.should_grow(old, self.group.formable() - old, self._allowed())
         t0 = time.time()
         self.rec.event("resize_started", step=self.step, old_world_size=old, new_world_size=new, reason="grow")
         if self.ckpt.last_saved_step != self.step and not self._checkpoint():
@@ -852,7 +857,7 @@ class Controller:
             self.rec.event("worker_start_failed", step=self.step, error=group.start_failures.pop(0))
         self._reserve_free_capacity()
         ready_for = time.time() - min((m.ready_ts for m in group.standby), default=time.time())
-        return policy.grow_now(len(group.active), len(group.standby), len(group.pending), ready_for,
+        return policy.grow_now(len(group.active), group.formable() - len(group.active), len(group.pending), ready_for,
                                self.cfg.timeouts.grow_settle_s, self._allowed())
 
     def _reserve_free_capacity(self) -> None:

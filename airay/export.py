@@ -48,14 +48,41 @@ def resolve(checkpoint: str | Path, config: str | Path | None = None) -> tuple[P
     return path, found
 
 
-def consolidated_state(step_dir: Path) -> dict[str, Any]:
-    """The full fp32 state dict of a checkpoint step, read from its shards on the CPU."""
-    import torch
-
+def consolidated_state(step_dir: Path, full_shapes: dict[str, tuple] | None = None) -> dict[str, Any]:
+    """The full fp32 state dict of a checkpoint step, read from its shards on the CPU. A
+    tensor-parallel checkpoint's slices are consolidated one by one, then joined
+    (merge_tensor_parallel: `full_shapes`, the whole model's, say where each was cut)."""
     from airay.checkpoint.layout import Manifest, MANIFEST
 
     manifest = Manifest.from_json((step_dir / MANIFEST).read_text())
-    if manifest.zero_stage == 0:
+    if manifest.model_parallel == 1:
+        return _slice_state(step_dir, manifest.zero_stage)
+    if full_shapes is None:
+        raise ValueError(f"{step_dir} holds {manifest.model_parallel} tensor-parallel slices: give the whole "
+                         "model's shapes to join them")
+    import tempfile
+
+    from airay.checkpoint import reshard
+
+    slices = []
+    for m in range(manifest.model_parallel):
+        # DeepSpeed's consolidation reads one slice's files under slice 0's names: link them so.
+        with tempfile.TemporaryDirectory(prefix="airay-export-") as tmp:
+            view = Path(tmp) / step_dir.name
+            view.mkdir()
+            for name in manifest.files:
+                if f"mp_rank_{m:02d}" in name:
+                    (view / name.replace(f"mp_rank_{m:02d}", "mp_rank_00")).symlink_to((step_dir / name).resolve())
+            if not (view / reshard.MODEL_FILE).is_file():
+                raise FileNotFoundError(f"{step_dir} has no {reshard.model_file(m)}: not a complete checkpoint")
+            slices.append(_slice_state(view, manifest.zero_stage))
+    return merge_tensor_parallel(slices, full_shapes)
+
+
+def _slice_state(step_dir: Path, zero_stage: int) -> dict[str, Any]:
+    import torch
+
+    if zero_stage == 0:
         from airay.checkpoint.reshard import MODEL_FILE
 
         return torch.load(step_dir / MODEL_FILE, map_location="cpu", weights_only=False)["module"]
@@ -65,6 +92,29 @@ def consolidated_state(step_dir: Path) -> dict[str, Any]:
 
     with zero3_consolidation_shapes():
         return get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
+
+
+def merge_tensor_parallel(slices: list[dict[str, Any]], full_shapes: dict[str, tuple]) -> dict[str, Any]:
+    """One state dict from tensor-parallel slices (in slice order): a tensor whose slices have the
+    whole model's shape was replicated (slice 0's is taken); one cut along a dimension
+    (DeepSpeed AutoTP: column-parallel layers along the output, row-parallel along the input,
+    a vocabulary along its rows) is joined back along it. A tensor that fits neither names itself."""
+    import torch
+
+    out = {}
+    for key, first in slices[0].items():
+        parts = [s[key] for s in slices]
+        full = tuple(full_shapes.get(key, first.shape))
+        if all(tuple(p.shape) == full for p in parts):
+            out[key] = first
+            continue
+        cut = [d for d in range(first.dim()) if first.shape[d] != full[d]]
+        joined = torch.cat(parts, dim=cut[0]) if len(cut) == 1 else None
+        if joined is None or tuple(joined.shape) != full:
+            raise ValueError(f"tensor-parallel slices of {key} ({[tuple(p.shape) for p in parts]}) do not make its "
+                             f"shape in the model {full}")
+        out[key] = joined
+    return out
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "float32",
@@ -105,7 +155,7 @@ def export_step(step_dir: str | Path, out_dir: str | Path, factory: str, model_k
 
     step_dir = Path(step_dir)
     model = build_fp32(factory, model_kwargs, seed)
-    state = consolidated_state(step_dir)
+    state = consolidated_state(step_dir, {k: tuple(t.shape) for k, t in model.state_dict().items()})
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # assigning replaced the parameters: tie them again where the config ties them
     # What save_pretrained writes must be the checkpoint's tensors (a tied one shares a loaded

@@ -22,13 +22,17 @@ def bundles_that_fit(available_per_node: list[dict[str, float]], per_worker: dic
     return sum(fits_per_node(available_per_node, per_worker))
 
 
-def group_sizes(n: int, fits: list[int], strategy: str, unit: int = 0) -> list[int]:
+def group_sizes(n: int, fits: list[int], strategy: str, unit: int = 0, team: int = 1) -> list[int]:
     """The placement groups (bundles in each) that reserve `n` workers. One group, where GCS
     may spread it over nodes; with STRICT_PACK a group must fit on one node, so it is one group
     per node, the roomiest nodes first, each at most what that node fits now (fewer than `n`
     in all when the nodes fit fewer). `unit` > 0 caps every group at `unit` bundles: a job under
     the cluster's scheduler gives back capacity a whole group at a time (Ray releases no single
-    bundle of a group), so its groups are as small as the sizes it may shrink by."""
+    bundle of a group), so its groups are as small as the sizes it may shrink by. `team` > 1
+    (a model-parallel group's ranks, which must share a node): STRICT_PACK groups of whole teams
+    only, a node's room rounded down to them (`unit` is then a multiple of `team`)."""
+    if team > 1:
+        fits, n = [f - f % team for f in fits], n - n % team
     if strategy != "STRICT_PACK":
         sizes = [n] if n > 0 else []
     else:

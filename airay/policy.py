@@ -77,17 +77,24 @@ def allowed_world_sizes(min_workers: int, max_workers: int, multiple: int = 1) -
     return [w for w in range(min_workers, max_workers + 1) if w % multiple == 0]
 
 
-def batch_plans(global_batch_size: int, max_micro_batch: int, sizes: list[int]) -> dict[int, BatchPlan]:
-    """Plans for every allowed world size; refuses what cannot work, naming the field and a fix."""
+def batch_plans(global_batch_size: int, max_micro_batch: int, sizes: list[int], model_parallel: int = 1) -> dict[int, BatchPlan]:
+    """Plans for every allowed world size; refuses what cannot work, naming the field and a fix.
+    With `model_parallel` ranks per replica, a world of w ranks is w / model_parallel
+    data-parallel replicas, and its plan splits the batch over the replicas: every rank of a
+    replica trains on the replica's samples (BatchPlan.world_size counts replicas)."""
     if not sizes:
         raise PolicyError("no world size is allowed: scaling.min_workers..max_workers holds no multiple of "
-                          "scaling.world_size_multiple; widen the range or change the multiple")
-    if max(sizes) > global_batch_size:
+                          "scaling.world_size_multiple (and of the model-parallel size); widen the range or change "
+                          "the multiple")
+    replicas = max(sizes) // model_parallel
+    if replicas > global_batch_size:
+        what = f"world size {max(sizes)}" if model_parallel == 1 else \
+            f"{replicas} data-parallel replicas (world size {max(sizes)} / model-parallel size {model_parallel})"
         raise PolicyError(
-            f"global_batch_size {global_batch_size} is smaller than world size {max(sizes)} (scaling.max_workers): "
-            f"ranks would train on no sample; raise global_batch_size to at least {max(sizes)} or lower "
+            f"global_batch_size {global_batch_size} is smaller than {what} (scaling.max_workers): "
+            f"ranks would train on no sample; raise global_batch_size to at least {replicas} or lower "
             "scaling.max_workers")
-    return {w: plan_batch(global_batch_size, max_micro_batch, w) for w in sizes}  # type: ignore[misc]
+    return {w: plan_batch(global_batch_size, max_micro_batch, w // model_parallel) for w in sizes}  # type: ignore[misc]
 
 
 def choose_world_size(capacity: int, sizes: list[int]) -> int | None:

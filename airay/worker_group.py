@@ -39,6 +39,7 @@ class Member:
     joined: dict[str, Any] = field(default_factory=dict)  # what its last join handed torch and DeepSpeed
     warm: bool = True  # started with a warm-up engine build, or has built an engine since
     ready_ts: float = 0.0  # when it was up (and warm) and moved to standby
+    team: tuple | None = None  # its model-parallel group in the last world it joined (airay.parallel.layout)
 
     @property
     def node_id(self) -> str | None:
@@ -47,15 +48,19 @@ class Member:
 
 class WorkerGroup:
     def __init__(self, spec: dict[str, Any], per_worker: dict[str, float], strategy: str,
-                 drain_s: float, memory_base: str, job: dict, phase_timeout_s: float = 600.0, unit: int = 0):
+                 drain_s: float, memory_base: str, job: dict, phase_timeout_s: float = 600.0, unit: int = 0,
+                 mp: int = 1):
         """`memory_base`: the job's memory-tier directory on every node; `job`: its identity;
         `phase_timeout_s`: a rank without progress this long in a join, save or load is hung;
         `unit`: bundles per placement group at most (0: as the strategy allows), so a planned
-        shrink can give back whole groups (airay.placement.group_sizes)."""
-        self.unit = unit
+        shrink can give back whole groups (airay.placement.group_sizes); `mp`: ranks per
+        model-parallel group, which share a node (every placement group is one node's, of whole
+        groups) and are the unit of a world (a member of a broken group stands by)."""
+        self.unit, self.mp = unit, mp
         self.spec = spec
         self.per_worker = per_worker
-        self.strategy = strategy
+        self.strategy = "STRICT_PACK" if mp > 1 else strategy
+        self._worlds = 0  # worlds formed: names each one's model-parallel groups (Member.team)
         self.drain_s = drain_s
         self.phase_timeout_s = phase_timeout_s
         self.pgs: list[PlacementGroup] = []
@@ -263,8 +268,15 @@ class WorkerGroup:
 
     def capacity(self) -> int:
         """Workers that could be added now: placed-but-idle members plus bundles that fit free resources."""
-        return len(self.standby) + placement.bundles_that_fit(
-            placement.available_per_node(exclude=self.excluded), self.per_worker)
+        fits = placement.fits_per_node(placement.available_per_node(exclude=self.excluded), self.per_worker)
+        return len(self.standby) + sum(f - f % self.mp for f in fits)
+
+    def formable(self) -> int:
+        """The largest world the active and standby workers make: all of them, or with
+        model-parallel groups, the ranks of the whole groups they form (airay.parallel.layout)."""
+        if self.mp == 1:
+            return len(self.active) + len(self.standby)
+        return self.mp * len(_teams(self.active + self.standby, self.mp))
 
     def demand(self, n: int) -> None:
         """Keep a standing request for `n` worker bundles before the autoscaler (0: withdraw it).
@@ -280,7 +292,7 @@ class WorkerGroup:
         fits = placement.fits_per_node(placement.available_per_node(exclude=self.excluded), self.per_worker)
         pgs = [placement_group([dict(self.per_worker) for _ in range(k)], strategy=self.strategy,
                                bundle_label_selector=placement.avoid_nodes(self.excluded, k))
-               for k in placement.group_sizes(n, fits, self.strategy, self.unit)]
+               for k in placement.group_sizes(n, fits, self.strategy, self.unit, self.mp)]
         if not pgs:
             return 0
         refs = [pg.ready() for pg in pgs]
@@ -329,8 +341,10 @@ class WorkerGroup:
         return newly
 
     def wait_for_standby(self, n: int, timeout_s: float) -> bool:
+        """Wait until `n` more workers than the active ones can be in a world (whole
+        model-parallel groups: `formable`)."""
         deadline = time.time() + timeout_s
-        while len(self.standby) < n:
+        while self.formable() - len(self.active) < n:
             left = deadline - time.time()
             if left <= 0:
                 return False
@@ -345,8 +359,13 @@ class WorkerGroup:
         `faults`: chaos struck in the ranks' joins. `init_weights` False: a checkpoint load
         follows, so the ranks build their models without weights (airay.worker.build). A rank that dies or hangs meanwhile (rank 0
         picking the rendezvous port included) comes back as its outcome, like one in a round."""
-        self.active, self.standby = world_members(self.active, self.standby, world_size)
+        self.active, self.standby = world_members(self.active, self.standby, world_size, self.mp)
         assert len(self.active) == world_size, (len(self.active), world_size)
+        self._worlds += 1
+        for rank, m in enumerate(self.active):
+            m.team = (self._worlds, rank // self.mp)
+        for m in self.standby:
+            m.team = None
         master = self.active[0]
         (picked,), ports = self._gather([master.actor.free_port.remote()], self.phase_timeout_s, collective=False)
         if picked.kind != "ok":
@@ -700,12 +719,19 @@ def _outcome_of(rank: int, ref) -> tuple[RankOutcome, Any]:
     return outcome, value
 
 
-def world_members(active: list, standby: list, world_size: int) -> tuple[list, list]:
+def world_members(active: list, standby: list, world_size: int, mp: int = 1) -> tuple[list, list]:
     """(the new world's members in rank order, those left standing by): survivors keep their
     order, standby workers join after, grouped by node (co-located ranks are neighbours, the
     order ring collectives favour, and a node's ranks are predictable for chaos at named ranks).
-    An allowed size below the survivors idles whole nodes' ranks (policy.ranks_to_idle)."""
+    An allowed size below the survivors idles whole nodes' ranks (policy.ranks_to_idle). With
+    model-parallel groups of `mp`: whole groups, survivors' whole groups first
+    (airay.parallel.layout.form_teams); a member of a broken group stands by."""
     standby = sorted(standby, key=lambda m: (m.node_id or "", m.bundle_index))
+    if mp > 1:
+        pool = list(active) + standby
+        teams = _teams(pool, mp)[:world_size // mp]
+        chosen = {i for t in teams for i in t}
+        return [pool[i] for t in teams for i in t], [m for i, m in enumerate(pool) if i not in chosen]
     joining = standby[:max(0, world_size - len(active))]
     active, standby = list(active) + joining, standby[len(joining):]
     if len(active) > world_size:
@@ -713,6 +739,12 @@ def world_members(active: list, standby: list, world_size: int) -> tuple[list, l
         standby += [m for r, m in enumerate(active) if r in idle]
         active = [m for r, m in enumerate(active) if r not in idle]
     return active, standby
+
+
+def _teams(members: list, mp: int) -> list[list[int]]:
+    from airay.parallel.layout import form_teams
+
+    return form_teams([m.node_id for m in members], [m.team for m in members], mp)
 
 
 def nodes_died(nodes: set[str | None], suspects: set[str | None], wait_s: float) -> set[str | None]:

@@ -49,7 +49,7 @@ def child(side: str, layers: int, hidden: int) -> dict:
         model.load_state_dict(state)
         model.save_pretrained(out / "hf")
     else:
-        with mock.patch.object(export, "consolidated_state", lambda step_dir: state):
+        with mock.patch.object(export, "consolidated_state", lambda step_dir, full_shapes=None: state):
             export.export_step(out / "step", out / "hf", export.HF_FACTORY, {"config": cfg})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"parameters": sum(v.numel() for v in state.values()), "state_bytes": sum(v.numel() * 4 for v in state.values()),

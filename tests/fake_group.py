@@ -145,6 +145,9 @@ class FakeGroup:
         self.pending = waiting
         return newly
 
+    def formable(self) -> int:
+        return len(self.active) + len(self.standby)
+
     def wait_for_standby(self, n: int, timeout_s: float) -> bool:
         deadline = time.time() + timeout_s
         while len(self.standby) < n and time.time() < deadline:

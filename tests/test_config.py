@@ -81,14 +81,35 @@ def test_bad_zero_stage_and_missing_deepspeed_file(tmp_path):
     assert "ds.json' does not exist" in msg
 
 
-def test_deepspeed_model_parallelism_is_refused_before_ray_naming_the_key():
-    msg = error_for(lambda s: s["deepspeed"].update(tensor_parallel={"autotp_size": 2}))
-    assert "tensor_parallel.autotp_size (2)" in msg and "remove it" in msg
+def test_tensor_parallelism_counts_ranks_in_whole_replicas_and_what_it_cannot_do_is_refused():
+    def tp(n, **scaling):
+        return lambda s: (s["deepspeed"].update(tensor_parallel={"autotp_size": n}), s["scaling"].update(scaling))
+
+    spec = demo_dict()
+    tp(2)(spec)
+    cfg = JobConfig.from_dict(spec)
+    assert cfg.model_parallel_size == 2 and cfg.world_sizes == [2, 4]
+    plans = cfg.batch_plans()  # over replicas: 1 and 2 of them, the same 24 samples a step
+    assert plans[2].world_size == 1 and plans[4].world_size == 2
+    assert plans[4].rank_rows(1) == (12, 24)
+    msg = error_for(tp(2, min_workers=3))
+    assert "scaling.min_workers (3) must be a multiple of the model-parallel size 2" in msg
+    msg = error_for(tp(4, max_workers=6, min_workers=4))
+    assert "scaling.max_workers (6)" in msg
+    msg = error_for(tp(2, placement_strategy="SPREAD"))
+    assert "SPREAD" in msg and "share a node" in msg
+    msg = error_for(lambda s: (tp(2)(s), s["deepspeed"].update(zero_optimization={"stage": 3})))
+    assert "stage 3" in msg and "use stage 1 or 2" in msg
+    msg = error_for(tp(-1))
+    assert "tensor_parallel.autotp_size must be a whole number >= 1, got -1" in msg
     msg = error_for(lambda s: s["deepspeed"].update(sequence_parallel_size=4))
-    assert "sequence_parallel_size (4)" in msg
+    assert "sequence_parallel_size (4)" in msg and "remove it" in msg
+    # A world of 8 replicas of 4 ranks needs 8 samples a step at least.
+    msg = error_for(lambda s: (tp(4, min_workers=4, max_workers=32)(s), s.update(global_batch_size=6)))
+    assert "8 data-parallel replicas (world size 32 / model-parallel size 4)" in msg
     spec = demo_dict()
     spec["deepspeed"]["tensor_parallel"] = {"autotp_size": 1}  # size 1 splits nothing
-    assert JobConfig.from_dict(spec).deepspeed["tensor_parallel"] == {"autotp_size": 1}
+    assert JobConfig.from_dict(spec).model_parallel_size == 1
 
 
 def test_layouts_airay_cannot_reshard_are_refused_when_the_world_can_change_size():
@@ -258,3 +279,10 @@ def test_the_supervisor_reads_only_its_fields_and_bad_ones_get_the_specs_own_err
     assert run_dir.parent.name == "runs" and run_dir.name.startswith("job-") and restarts == 0
     with pytest.raises(ConfigError, match=r"health.max_driver_restarts: Input should be greater than or equal to 0"):
         supervision({**demo_dict(), "health": {"max_driver_restarts": -1}}, "s.yaml")
+
+
+def test_the_tensor_parallel_llama_job_is_two_replicas_of_two_ranks_at_most():
+    cfg = JobConfig.from_yaml(ROOT / "jobs" / "llama_tp.yaml")
+    assert cfg.model_parallel_size == 2 and cfg.world_sizes == [2, 4]
+    assert {w: p.world_size for w, p in cfg.batch_plans().items()} == {2: 1, 4: 2}
+    assert cfg.cluster.local_nodes * cfg.cluster.cpus_per_node == 4  # a group of 2 fits each node

@@ -56,7 +56,7 @@ counted_build.builds_partitioned = True
 
 
 def spec(run_dir, stage, chaos=(), export=False, forward_delay_s=0.0, steps_per_round=4,
-         every_n_steps=4, max_steps=STEPS, model=None):
+         every_n_steps=4, max_steps=STEPS, model=None, deepspeed=None):
     model = model or ({"factory": "tests.test_hf:paced_build",
                        "kwargs": {"config": LLAMA, "forward_delay_s": forward_delay_s}} if forward_delay_s else
                       {"factory": "airay.models.hf:build", "kwargs": {"config": LLAMA}})
@@ -64,7 +64,8 @@ def spec(run_dir, stage, chaos=(), export=False, forward_delay_s=0.0, steps_per_
         "name": run_dir.name, "model": model,
         "loss_fn": "airay.models.hf:loss",
         "data": {"sample_fn": "airay.models.hf:synthetic_tokens", "kwargs": {"vocab_size": 128, "seq_len": SEQ}},
-        "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": stage}},
+        "deepspeed": {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": stage},
+                      **(deepspeed or {})},
         "global_batch_size": GBS, "micro_batch_size": 2, "max_steps": max_steps, "steps_per_round": steps_per_round,
         "scaling": {"min_workers": 2, "max_workers": 4}, "checkpoint": {"every_n_steps": every_n_steps, "keep_last": 8, "export_hf": export},
         "timeouts": {"capacity_wait_s": 30, "hang_timeout_s": 20, "collective_timeout_s": 30, "survivor_drain_s": 10},
@@ -205,7 +206,7 @@ def test_export_assigns_the_checkpoints_tensors_ties_them_and_names_what_is_miss
     cfg = {**LLAMA, "tie_word_embeddings": tied}
     model = hf.build(seed=3, config=cfg).eval()
     state = {k: v.clone() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    monkeypatch.setattr(export, "consolidated_state", lambda step_dir: state)
+    monkeypatch.setattr(export, "consolidated_state", lambda step_dir, full_shapes=None: state)
     out = export.export_step(tmp_path / "step", tmp_path / "hf", export.HF_FACTORY, {"config": cfg})
     back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
     ids = torch.arange(16).view(1, 16)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from airay.parallel.layout import Coordinates, Layout, groups_per_node, world_sizes
+from airay.parallel.layout import Coordinates, Layout, form_teams, groups_per_node
 
 
 def test_tensor_parallel_is_fastest_then_sequence_then_data():
@@ -31,12 +31,27 @@ def test_a_lost_rank_retires_its_whole_model_parallel_group():
     assert Layout(world=4).retire([2]) == [2]  # pure data parallelism: a rank is a replica
 
 
-def test_sizes_are_whole_groups_and_a_node_holds_whole_groups():
-    assert world_sizes(2, 8, mp=2) == [2, 4, 6, 8]
-    assert world_sizes(3, 8, mp=2) == [4, 6, 8]
-    assert world_sizes(1, 16, mp=4, multiple=8) == [8, 16]  # whole 8-GPU nodes of 2 groups each
-    assert world_sizes(1, 3, mp=4) == []
+def test_a_node_holds_whole_groups():
     assert groups_per_node(8, 4) == 2 and groups_per_node(2, 4) == 0
+
+
+def test_survivors_whole_groups_keep_their_order_and_broken_groups_stand_by():
+    # World of 4 at tp 2 on nodes a (ranks 0, 1) and b (2, 3); rank 1 died: its group mate 0 is
+    # left without a group, the whole group (2, 3) keeps its order and comes first.
+    nodes, prior = ["a", "b", "b"], [("w1", 0), ("w1", 1), ("w1", 1)]
+    assert form_teams(nodes, prior, 2) == [[1, 2]]
+    # Its replacement on node a is up (a spare, no prior group): a completes a group with it.
+    assert form_teams(nodes + ["a"], prior, 2) == [[1, 2], [0, 3]]
+    # A spare on another node completes nothing: tensor-parallel ranks share a node.
+    assert form_teams(nodes + ["c"], prior, 2) == [[1, 2]]
+
+
+def test_spares_form_groups_node_by_node_and_pure_data_parallelism_is_one_member_a_group():
+    assert form_teams(["a", "b", "a", "b", "a"], [None] * 5, 2) == [[0, 2], [1, 3]]
+    assert form_teams(["x"] * 8, [None] * 8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 8 GPUs, tp 4: 2 groups
+    assert form_teams(["a", "b", "c"], [("w", 0), ("w", 1), None], 1) == [[0], [1], [2]]
+    # A group whose members were spread (it should not be) is not kept whole.
+    assert form_teams(["a", "b"], [("w", 0), ("w", 0)], 2) == []
 
 
 def test_bad_layouts_say_what_is_wrong():

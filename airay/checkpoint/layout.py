@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from airay.checkpoint import reshard
@@ -42,10 +42,14 @@ def step_of(name: str) -> int:
     return int(name.rsplit("_", 1)[-1])
 
 
-def job_identity(name: str, model: dict[str, Any], zero_stage: int) -> dict[str, Any]:
+def job_identity(name: str, model: dict[str, Any], zero_stage: int, model_parallel: int = 1) -> dict[str, Any]:
     """What makes two runs the same job, so one may resume the other's checkpoints: the job's name,
-    model and ZeRO stage (not max_steps, faults or scaling: a longer re-run resumes)."""
-    key = json.dumps({"name": name, "model": model, "zero_stage": zero_stage}, sort_keys=True)
+    model, ZeRO stage and model-parallel size (its files are slices of the model; not max_steps,
+    faults or scaling: a longer re-run resumes)."""
+    what = {"name": name, "model": model, "zero_stage": zero_stage}
+    if model_parallel > 1:  # absent at 1: the identities of runs before model parallelism stay
+        what["model_parallel"] = model_parallel
+    key = json.dumps(what, sort_keys=True)
     return {"name": name, "id": hashlib.sha256(key.encode()).hexdigest()[:16]}
 
 
@@ -67,6 +71,23 @@ class Manifest:
     layout: dict[str, Any] = field(default_factory=dict)  # e.g. {"partitions": [...]} (ZeRO-1/2)
     created: float = 0.0
     chunk_bytes: int = 0  # of the files' chunk CRCs; 0: none (whole files are read and verified)
+    model_parallel: int = 1  # ranks per model replica: world_size / model_parallel data-parallel replicas
+    mp_rank: int = 0  # a slice's view (`slice`): whose files its names are; not written
+    slices: int = 1  # a slice's view: how many slices the checkpoint has (DeepSpeed counts their files)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // self.model_parallel
+
+    def slice(self, mp_rank: int) -> "Manifest":
+        """The manifest as model-parallel slice `mp_rank` sees it: a data-parallel world of the
+        replicas, that slice's partition layout, its files' names (reshard.optim_file's `mp`).
+        Each slice's ZeRO partitions reshard across data-parallel sizes on their own, as the
+        whole model's do without model parallelism."""
+        if self.model_parallel == 1:
+            return self
+        return replace(self, world_size=self.data_parallel, layout=self.layout["slices"][mp_rank], model_parallel=1,
+                       mp_rank=mp_rank, slices=self.model_parallel)
 
     @property
     def bytes(self) -> int:
@@ -75,7 +96,7 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "step": self.step, "world_size": self.world_size,
                            "zero_stage": self.zero_stage, "job": self.job, "created": self.created,
-                           "layout": self.layout, "chunk_bytes": self.chunk_bytes,
+                           "layout": self.layout, "chunk_bytes": self.chunk_bytes, "model_parallel": self.model_parallel,
                            "files": {n: [f.size, f.crc32, f.rank, f.chunks] for n, f in sorted(self.files.items())}},
                           indent=1)
 
@@ -86,19 +107,23 @@ class Manifest:
             raise ValueError(f"not an airay {FORMAT} manifest (format {d.get('format')!r})")
         return cls(d["step"], d["world_size"], d["zero_stage"], d["job"],
                    {n: FileEntry(*v) for n, v in d["files"].items()}, d.get("layout", {}), d.get("created", 0.0),
-                   d.get("chunk_bytes", 0))
+                   d.get("chunk_bytes", 0), d.get("model_parallel", 1))
 
     @classmethod
     def from_reports(cls, step: int, world_size: int, zero_stage: int, job: dict, reports: list[dict],
-                     created: float) -> "Manifest":
+                     created: float, model_parallel: int = 1) -> "Manifest":
         """The manifest of a save from every rank's report ({"files": {name: [size, crc]}, "layout",
-        "chunks": {name: [crc, ...]}, "chunk_bytes"})."""
+        "chunks": {name: [crc, ...]}, "chunk_bytes"}). With model parallelism, ranks 0..mp-1 (the
+        first replica) report their slices' layouts: {"slices": [...]}."""
         files = {n: FileEntry(size, crc, rank, list(rep.get("chunks", {}).get(n, []))) for rank, rep in enumerate(reports)
                  for n, (size, crc) in rep["files"].items()}
-        layout = next((rep["layout"] for rep in reports if rep.get("layout")), {})
+        if model_parallel > 1:
+            layout = {"slices": [reports[m].get("layout") or {} for m in range(model_parallel)]}
+        else:
+            layout = next((rep["layout"] for rep in reports if rep.get("layout")), {})
         chunk_bytes = {rep.get("chunk_bytes", 0) for rep in reports}
         return cls(step, world_size, zero_stage, job, files, layout, created,
-                   chunk_bytes.pop() if len(chunk_bytes) == 1 else 0)
+                   chunk_bytes.pop() if len(chunk_bytes) == 1 else 0, model_parallel)
 
 
 def files_to_load(manifest: Manifest, rank: int, world_size: int, new_layout: dict[str, Any]) -> list[str]:
@@ -106,25 +131,25 @@ def files_to_load(manifest: Manifest, rank: int, world_size: int, new_layout: di
     world: its own partition (and the model-states file); another: the old partitions that overlap
     its new one (airay.checkpoint.reshard). `new_layout`: the loading engine's own partition
     layout (reshard.layout_of)."""
-    stage, old = manifest.zero_stage, manifest.world_size
+    stage, old, mp = manifest.zero_stage, manifest.world_size, manifest.mp_rank
     if stage == 3:
-        own_model = reshard.zero3_model_file(min(rank, old - 1))
+        own_model = reshard.zero3_model_file(min(rank, old - 1), mp)
         if world_size == old:
-            return [own_model, reshard.optim_file(rank)]
+            return [own_model, reshard.optim_file(rank, mp=mp)]
         ranks = reshard.ranks_needed(3, old, rank, world_size, param_numels=new_layout["param_numels"])
-        return [own_model, *[reshard.optim_file(r) for r in ranks]]
-    model = [reshard.MODEL_FILE]
+        return [own_model, *[reshard.optim_file(r, mp=mp) for r in ranks]]
+    model = [reshard.model_file(mp)]
     if stage == 0:
-        own = [n for n in (reshard.optim_file(rank, bf16=True),) if n in manifest.files]
+        own = [n for n in (reshard.optim_file(rank, bf16=True, mp=mp),) if n in manifest.files]
         if own and world_size != old:  # DeepSpeed's BF16_Optimizer partitions even at stage 0
             raise ValueError("a bf16 checkpoint of ZeRO stage 0 cannot be resharded to another world size; "
                              "use zero_optimization.stage 1-3")
         return model + own
     if world_size == old:
-        return [*model, reshard.optim_file(rank)]
+        return [*model, reshard.optim_file(rank, mp=mp)]
     ranks = reshard.ranks_needed(stage, old, rank, world_size, partitions=manifest.layout["partitions"],
                                  new_partitions=new_layout["partitions"], totals=new_layout["totals"])
-    return [*model, *[reshard.optim_file(r) for r in ranks]]
+    return [*model, *[reshard.optim_file(r, mp=mp) for r in ranks]]
 
 
 @dataclass(frozen=True)

@@ -150,8 +150,11 @@ class LoadPlan:
         nothing from it: every read goes through `load`). Returns `root`."""
         d = Path(root) / tag
         d.mkdir(parents=True, exist_ok=True)
-        name = reshard.zero3_model_file(self.rank) if self.manifest.zero_stage == 3 else reshard.MODEL_FILE
-        (d / name).touch()
+        m = self.manifest
+        names = [reshard.zero3_model_file(self.rank, m.mp_rank)] if m.zero_stage == 3 else \
+            [reshard.model_file(s) for s in range(m.slices)]  # it checks that every slice's is there
+        for name in names:
+            (d / name).touch()
         return str(root)
 
     @property
@@ -164,14 +167,18 @@ class LoadPlan:
     def load(self, name: str):
         m = self.manifest
         if name.endswith("_model_states.pt"):
+            if name not in self.paths and m.zero_stage != 3 and m.slices > 1:
+                # Another slice's file, which DeepSpeed opens only to check how many slices there
+                # are (deepspeed 0.19: state_dict_factory.check_ckpt_list): not fetched.
+                return {"mp_world_size": m.slices}
             if name not in self.paths:  # a rank the old world did not have (ZeRO-3): any rank's will do
-                name = reshard.zero3_model_file(min(self.rank, m.world_size - 1))
+                name = reshard.zero3_model_file(min(self.rank, m.world_size - 1), m.mp_rank)
             sd = self._open(name)
             if self.resharded:  # DeepSpeed checks it against the world; the partitions are resharded
                 sd = {**sd, "dp_world_size": self.world}
             return sd
         bf16 = name.startswith("bf16_")
-        if name != reshard.optim_file(self.rank, bf16):
+        if name != reshard.optim_file(self.rank, bf16, m.mp_rank):
             raise KeyError(f"rank {self.rank} asked for {name}, which its load plan does not hold")
         if not self.resharded:
             return self._open(name)
@@ -179,7 +186,7 @@ class LoadPlan:
         if refused:
             raise CheckpointIncompatible(f"step {m.step} saved at world size {m.world_size}: {refused}")
         t0 = time.perf_counter()
-        out = self._reshard({r: self._open(reshard.optim_file(r, bf16)) for r in self._ranks()})
+        out = self._reshard({r: self._open(reshard.optim_file(r, bf16, m.mp_rank)) for r in self._ranks()})
         self.reshard_s += time.perf_counter() - t0
         return out
 
@@ -197,14 +204,15 @@ class LoadPlan:
         entries the new file copies: step counts, loss scaler, hyperparameters), every storage
         that is not such a partition."""
         bf16 = any(n.startswith("bf16_") and "optim_states" in n for n in self.manifest.files)
-        old = {r: meta_of(reshard.optim_file(r, bf16)) for r in self._ranks()}
+        mp = self.manifest.mp_rank
+        old = {r: meta_of(reshard.optim_file(r, bf16, mp)) for r in self._ranks()}
         used: dict[int, list] = {r: [] for r in old}
         self._reshard(old, touch=lambda r, t: used[r].append(slice_range(t)))
         partitions = {path for r in old for path, t in tensors_in(old[r])  # sliced in some old file
                       if any(storage_range(t)[0] <= lo and hi <= storage_range(t)[1] for lo, hi in used[r])}
         first = min(old)
         used[first] += [storage_range(t) for path, t in tensors_in(old[first]) if path not in partitions]
-        return {reshard.optim_file(r, bf16): ranges for r, ranges in used.items()}
+        return {reshard.optim_file(r, bf16, mp): ranges for r, ranges in used.items()}
 
     def _ranks(self) -> list[int]:
         m = self.manifest

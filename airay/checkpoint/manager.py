@@ -91,8 +91,9 @@ class Checkpointer:
 
     def __init__(self, durable: str, zero_stage: int, keep_last: int, recorder, job: dict,
                  memory_base: str, memory_keep_last: int, upload_retries: int = 2, max_failures: int = 3,
-                 budget_fraction: float = 0.25, budget_bytes: int | None = None):
+                 budget_fraction: float = 0.25, budget_bytes: int | None = None, model_parallel: int = 1):
         self.durable = DurableTier(durable, job)
+        self.model_parallel = model_parallel  # ranks per replica: each saves its slice's files (Manifest.slice)
         self.budget_fraction, self.budget_bytes = budget_fraction, budget_bytes
         self.budgets: dict[str, int] = {}  # each node's memory-tier budget, as last checked
         self.host_scale: dict[str, float] = {}  # budget factor per host, halved by each OOM kill there
@@ -278,7 +279,7 @@ class Checkpointer:
             return
         self.consecutive_failures["memory"] = 0
         save.manifest = Manifest.from_reports(save.step, save.world_size, self.zero_stage, self.job, reports,
-                                              time.time())
+                                              time.time(), self.model_parallel)
         self.last_manifest = save.manifest
         save.holders = {rank: [n for n in (r["node_id"], r.get("peer_node")) if n] for rank, r in enumerate(reports)}
         peers = sorted({r["peer_node"] for r in reports if r.get("peer_node")})

@@ -50,16 +50,23 @@ def unreshardable(old_layout: dict, new_layout: dict) -> str | None:
     return None
 
 
-def optim_file(rank: int, bf16: bool = False) -> str:
-    """DeepSpeed's name of a data-parallel rank's optimizer partition (model parallel rank 0)."""
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def optim_file(rank: int, bf16: bool = False, mp: int = 0) -> str:
+    """DeepSpeed's name of a data-parallel rank's optimizer partition of model-parallel slice `mp`
+    (a tensor-parallel rank's slice of the model; 0 without model parallelism)."""
+    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt"
 
 
-def zero3_model_file(rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+def zero3_model_file(rank: int, mp: int = 0) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt"
 
 
-MODEL_FILE = "mp_rank_00_model_states.pt"  # ZeRO 0-2: written by rank 0, read by every rank
+def model_file(mp: int = 0) -> str:
+    """ZeRO 0-2: the model-states file of slice `mp`, written by its data-parallel rank 0 and
+    read by every rank of the slice."""
+    return f"mp_rank_{mp:02d}_model_states.pt"
+
+
+MODEL_FILE = model_file(0)
 
 
 def overlapping(lo: int, hi: int, part: int, world: int) -> range:

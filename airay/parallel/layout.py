@@ -90,20 +90,36 @@ class Layout:
             raise ValueError(f"rank {rank} is outside a world of {self.world}")
 
 
-def world_sizes(min_workers: int, max_workers: int, mp: int, multiple: int = 1) -> list[int]:
-    """The world sizes a job with model-parallel groups of `mp` ranks may take: multiples of mp
-    (and of `multiple`, e.g. whole nodes) in [min_workers, max_workers], smallest first."""
-    step = mp * multiple // _gcd(mp, multiple)
-    return [w for w in range(step, max_workers + 1, step) if w >= min_workers]
-
-
 def groups_per_node(ranks_per_node: int, mp: int) -> int:
     """How many model-parallel groups a node holds (a node of 8 GPUs with tensor parallel 4: 2);
     0 when a group does not fit on one node."""
     return ranks_per_node // mp
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
+def form_teams(nodes: list[str | None], prior: list[object | None], mp: int) -> list[list[int]]:
+    """Members (indices into `nodes`, each member's node) grouped into model-parallel groups of
+    `mp` members on one node, the order a new world takes them in. First the groups that come
+    whole from the world before (`prior[i]`: member i's group there, None for a member that was
+    in none; every member of it present, on one node), in the order they appear, so survivors
+    keep their ranks' order; then the other members, node by node in order of appearance, `mp`
+    at a time. Members left over (fewer than `mp` on a node) are in no group: they stand by
+    until a replacement on their node completes one."""
+    prior = list(prior) + [None] * (len(nodes) - len(prior))
+    members: dict[object, list[int]] = {}
+    for i, key in enumerate(prior):
+        if key is not None:
+            members.setdefault(key, []).append(i)
+    whole = {key for key, idx in members.items() if len(idx) == mp and len({nodes[i] for i in idx}) == 1}
+    teams, seen = [], set()
+    for i, key in enumerate(prior):
+        if key in whole and key not in seen:
+            seen.add(key)
+            teams.append(members[key])
+    placed = {i for t in teams for i in t}
+    by_node: dict[str | None, list[int]] = {}
+    for i, node in enumerate(nodes):
+        if i not in placed:
+            by_node.setdefault(node, []).append(i)
+    for idx in by_node.values():
+        teams += [idx[k:k + mp] for k in range(0, len(idx) - mp + 1, mp)]
+    return teams

@@ -20,7 +20,7 @@ from airay.config import JobConfig, resolve_callable
 from airay.data.source import StreamedSource, SyntheticSource
 from airay.events import process_start_ts
 from airay.policy import BatchPlan
-from airay.worker.deepspeed_compat import disable_cpu_shm_comm, reset_zero3_globals
+from airay.worker.deepspeed_compat import disable_cpu_shm_comm, release_parallel_groups, reset_zero3_globals
 from airay.worker.device import assign_device
 from airay.worker.dist import NCCL_ENV, abort_nccl_groups, collective_counts, group_status, listen_socket, \
     rendezvous_store, reset_group_count, shutdown_sockets, tcp_socket_fds
@@ -85,6 +85,7 @@ class TrainWorker:
         self._hf_zero3 = None  # transformers' DeepSpeed integration, registered for a ZeRO-3 engine
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
+        self.mp, self.replica = 1, None  # ranks per model replica; this rank's replica (set by a join)
         self._world_sockets: dict[int, int] = {}
         self._joining_port: int | None = None  # the rendezvous port while a join is in it
         self._aborted_port: int | None = None  # a rendezvous the driver aborted (abort_world)
@@ -222,11 +223,19 @@ class TrainWorker:
         if rank != self.rank:
             name_rank(rank)
         self.rank, self.plan = rank, BatchPlan(**plan)
+        # Ranks per model replica: a replica's ranks train on its samples (the plan is over
+        # replicas) and slice the model between them (DeepSpeed AutoTP).
+        from airay.parallel.layout import Layout
+
+        self.mp = 1 if stand_in else self.config.model_parallel_size
+        self.replica = Layout(world_size, tp=self.mp).replica(rank)
         reset_zero3_globals()
         from airay.worker.memory import peak_since, start_peak
 
         rss_before = start_peak()
         cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", False)
+        if stand_in:  # a world of one: nothing to slice the stand-in over
+            cfg.pop("tensor_parallel", None)
         self._hf_zero3 = hf_zero3(cfg) if partitioned(cfg) else None  # held while the engine lives
         factory, kwargs = (_stand_in, {}) if stand_in else (self.model_factory, self.config.model.kwargs)
         model = build_model(factory, kwargs, self.config.seed, cfg, init_weights=init_weights, call=self._user)
@@ -323,6 +332,7 @@ class TrainWorker:
                 print(f"[airay] rank {self.rank}: leaving the world: {type(exc).__name__}: {exc}")
                 if tdist.is_initialized():
                     tdist.destroy_process_group()
+        release_parallel_groups()  # DeepSpeed's tensor-parallel groups were of the world just left
         self.rank = None
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -349,7 +359,7 @@ class TrainWorker:
                                     client_state={"airay_step": step, "airay_data": data_position},
                                     save_latest=False)
         self._saving = {"step": step, "dir": str(root / step_name(step)), "t0": t0,
-                        "layout": layout_of(self.engine) if self.rank == 0 else {}}
+                        "layout": layout_of(self.engine) if self.rank < self.mp else {}}  # each slice's
         self._at(step, 2, "save")
         return {"save_s": time.perf_counter() - t0}
 
@@ -431,13 +441,14 @@ class TrainWorker:
         from airay.checkpoint.tiers import node_dir, scratch_dir
 
         t0 = time.perf_counter()
-        manifest = Manifest.from_json(spec["manifest"])
+        # This rank's model-parallel slice, over the data-parallel replicas (Manifest.slice).
+        manifest, rank = Manifest.from_json(spec["manifest"]).slice(self.rank % self.mp), self.replica
         layout = layout_of(self.engine)
         source = Source(str(node_dir(spec["memory_base"], self.node_id) / step_name(spec["step"])),
                         {n: [(node, store) for node, store in holders if node != self.node_id]
                          for n, holders in spec["peers"].items()}, spec["durable"])
         paths, copies, bad = {}, {"local": 0, "peer": 0, "durable": 0}, []
-        names = needed_files(manifest, self.rank, self.plan.world_size, layout)
+        names = needed_files(manifest, rank, self.plan.world_size, layout)
         # At another world size, old partitions are read in part, chunk by verified chunk, when
         # the manifest has chunk CRCs (airay.checkpoint.ranges); whole files otherwise.
         partial = [n for n in names if "optim_states" in n] \
@@ -454,13 +465,13 @@ class TrainWorker:
             self._at(spec["step"], len(paths), "fetch")
             shutil.rmtree(scratch_dir() / "sparse", ignore_errors=True)
             got, met, part_read, part_needed, served = fetch_partial(
-                manifest, self.rank, self.plan.world_size, layout, partial, source, scratch_dir() / "sparse")
+                manifest, rank, self.plan.world_size, layout, partial, source, scratch_dir() / "sparse")
             paths.update(got)
             bad += met
             for kind in served.values():
                 copies[kind] += 1
             read, needed = read + part_read, needed + part_needed
-        self._load_plan = LoadPlan(manifest, self.rank, self.plan.world_size, paths, layout)
+        self._load_plan = LoadPlan(manifest, rank, self.plan.world_size, paths, layout)
         return {"copies": copies, "bad": bad, "files": sorted(paths), "fetch_s": time.perf_counter() - t0,
                 "bytes": read, "bytes_needed": needed, "partial_files": len(partial)}
 
@@ -511,7 +522,7 @@ class TrainWorker:
                                          "before them failed")
         out = []
         if feed:
-            self.data.feed(feed, self.rank, self.plan)
+            self.data.feed(feed, self.replica, self.plan)
         try:
             for step in range(start, end):
                 out.append(self._step(step, (faults or {}).get(step)))
@@ -545,9 +556,9 @@ class TrainWorker:
 
         t0 = time.perf_counter()
         self._at(step, -1, "data")
-        batches = self._user(self.data.micro_batches, step, self.rank, self.plan)
+        batches = self._user(self.data.micro_batches, step, self.replica, self.plan)
         data_wait = time.perf_counter() - t0
-        sizes = self.plan.micro_sizes(self.rank)  # samples per micro-batch; 0: padded (weight 0)
+        sizes = self.plan.micro_sizes(self.replica)  # samples per micro-batch; 0: padded (weight 0)
         comm0 = commtime.seconds()
         local_s = 0.0  # data, chaos and forward: this rank's own work, before any collective
         loss_sum = torch.zeros((), device=self.device)  # summed on the device: no host sync per micro-batch
@@ -568,7 +579,10 @@ class TrainWorker:
             torch.cuda.synchronize(self.device)
         self._at(step, len(batches), "done")
         self._world_steps += 1
-        real = [b for b, n in zip(batches, sizes) if n]
+        # A replica's samples count once: its first rank reports them (loss, tokens, ids).
+        real = [b for b, n in zip(batches, sizes) if n] if self.rank % self.mp == 0 else []
+        if self.rank % self.mp:
+            loss_sum.zero_()
         step_time = time.perf_counter() - t0
         comm = commtime.seconds() - comm0
         # Time the optimizer step waited for the previous save's live writes (airay.checkpoint.staging):

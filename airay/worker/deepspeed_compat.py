@@ -93,3 +93,32 @@ def preload_for_zero_init() -> None:
     # lazily (transformers' masking utilities, through a model class resolved inside a user's
     # factory) would fail inside zero.Init: import it before.
     import torch._dynamo  # noqa: F401
+
+
+def tensor_parallel_mpu(ds_config: dict):
+    """DeepSpeed's own model-parallel unit for an AutoTP engine (`tensor_parallel.autotp_size` > 1),
+    its groups made over the world now (tensor-parallel ranks consecutive, as
+    airay.parallel.layout numbers them); None without tensor parallelism. Handed to
+    deepspeed.initialize, so its batch check counts data-parallel replicas, not ranks
+    (deepspeed 0.19: DeepSpeedConfig counts every rank when no mpu is given)."""
+    tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    if tp <= 1:
+        return None
+    from deepspeed.utils import groups
+
+    groups._init_tp_mesh_device(tensor_model_parallel_size=tp)
+    return groups
+
+
+def release_parallel_groups() -> None:
+    """Forget DeepSpeed's process-wide tensor/data-parallel groups of a world this process left:
+    deepspeed 0.19 makes them once (`_init_tp_mesh_device` returns early while they are set), so
+    a warm worker's next world would reuse the dead world's groups. Its own destroy_process_group
+    clears them; torch's, the fallback for a broken world, does not."""
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(None)
+    else:  # older DeepSpeed: the globals themselves
+        groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None

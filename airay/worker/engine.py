@@ -66,8 +66,10 @@ def build_engine(model, base_config: dict[str, Any], plan: BatchPlan, device: st
     elif cfg.get("zero_optimization", {}).get("stage") == 3:
         zero = cfg["zero_optimization"]
         zero.update(zero3_memory_defaults(zero, max(int(p.ds_numel) for p in model.parameters())))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=cfg, dist_init_required=False)
+    from airay.worker.deepspeed_compat import tensor_parallel_mpu
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                      dist_init_required=False, mpu=tensor_parallel_mpu(cfg))
     return engine
 
 

@@ -467,13 +467,16 @@ class JobConfig(_Spec):
         sp = value.get("sequence_parallel_size", 1)
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel.autotp_size must be a whole number >= 1, got {tp!r}")
-        if sp != 1:
-            raise ValueError(f"sequence_parallel_size ({sp}): airay does not run sequence parallelism yet; remove it "
-                             "(tensor_parallel.autotp_size splits the model within a replica)")
-        if tp > 1 and value.get("zero_optimization", {}).get("stage", 0) == 3:
-            raise ValueError(f"tensor_parallel.autotp_size ({tp}) with zero_optimization.stage 3: airay reshards "
-                             "tensor-parallel checkpoints at ZeRO stages 0-2; use stage 1 or 2 (each replica's "
-                             "optimizer state is still partitioned over the data-parallel replicas)")
+        if not isinstance(sp, int) or sp < 1:
+            raise ValueError(f"sequence_parallel_size must be a whole number >= 1, got {sp!r}")
+        if tp > 1 and sp > 1:
+            raise ValueError(f"tensor_parallel.autotp_size ({tp}) and sequence_parallel_size ({sp}) together: airay "
+                             "runs one model-parallel dimension at a time; keep one of them")
+        mp_key = "tensor_parallel.autotp_size" if tp > 1 else "sequence_parallel_size"
+        if max(tp, sp) > 1 and value.get("zero_optimization", {}).get("stage", 0) == 3:
+            raise ValueError(f"{mp_key} ({max(tp, sp)}) with zero_optimization.stage 3: airay runs model "
+                             "parallelism at ZeRO stages 0-2; use stage 1 or 2 (the optimizer state is still "
+                             "partitioned over the data-parallel ranks)")
         stage = value.get("zero_optimization", {}).get("stage", 0)
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -486,8 +489,14 @@ class JobConfig(_Spec):
             for name in ("min_workers", "max_workers"):
                 if getattr(sc, name) % mp:
                     raise ValueError(f"scaling.{name} ({getattr(sc, name)}) must be a multiple of the model-parallel "
-                                     f"size {mp} (deepspeed.tensor_parallel.autotp_size): the world is whole "
+                                     f"size {mp} (deepspeed.tensor_parallel.autotp_size x sequence_parallel_size): "
+                                     "the world is whole "
                                      "replicas of the model; it counts ranks")
+            if self.sequence_parallel_size > 1 and self.loss_fn != "airay.models.hf:loss":
+                raise ValueError(f"loss_fn {self.loss_fn} with deepspeed.sequence_parallel_size "
+                                 f"{self.sequence_parallel_size}: each rank holds a share of a sequence, so the loss is "
+                                 "airay's over the whole sequences (use loss_fn: airay.models.hf:loss, with a "
+                                 "transformers causal LM)")
             if sc.placement_strategy == "SPREAD":
                 raise ValueError("scaling.placement_strategy SPREAD: a model-parallel group's ranks must share a node "
                                  "(tensor parallelism needs its fast links); use PACK or STRICT_PACK")
@@ -565,9 +574,20 @@ class JobConfig(_Spec):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     @property
-    def model_parallel_size(self) -> int:
-        """Ranks per model replica (deepspeed.tensor_parallel.autotp_size; 1: pure data parallel)."""
+    def tensor_parallel_size(self) -> int:
+        """deepspeed.tensor_parallel.autotp_size: ranks a replica's model is sliced over (its
+        checkpoint's slices)."""
         return int((self.deepspeed.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """deepspeed.sequence_parallel_size: ranks a replica's sequences are split over (Ulysses)."""
+        return int(self.deepspeed.get("sequence_parallel_size", 1) or 1)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks per model replica (1: pure data parallelism)."""
+        return self.tensor_parallel_size * self.sequence_parallel_size
 
     @property
     def world_sizes(self) -> list[int]:

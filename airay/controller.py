@@ -124,7 +124,7 @@ class Controller:
                                  ck.memory_keep_last, ck.upload_retries, config.health.max_checkpoint_failures,
                                  ck.memory_budget_fraction,
                                  int(ck.memory_budget_gb * 1e9) if ck.memory_budget_gb is not None else None,
-                                 model_parallel=config.model_parallel_size)
+                                 model_parallel=config.tensor_parallel_size)  # the checkpoint's slices
         self.group: WorkerGroup | None = None
         # Under the cluster's scheduler (config.queue) the job's sizes are capped by the target it
         # gives; `queue_client` stands in for the scheduler actor in unit tests.

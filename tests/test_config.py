@@ -102,8 +102,12 @@ def test_tensor_parallelism_counts_ranks_in_whole_replicas_and_what_it_cannot_do
     assert "stage 3" in msg and "use stage 1 or 2" in msg
     msg = error_for(tp(-1))
     assert "tensor_parallel.autotp_size must be a whole number >= 1, got -1" in msg
-    msg = error_for(lambda s: s["deepspeed"].update(sequence_parallel_size=4))
-    assert "sequence_parallel_size (4)" in msg and "remove it" in msg
+    msg = error_for(lambda s: s["deepspeed"].update(sequence_parallel_size=2))  # the demo's tiny GPT loss
+    assert "loss_fn airay.models.tiny_gpt:loss with deepspeed.sequence_parallel_size 2" in msg
+    msg = error_for(lambda s: (tp(2)(s), s["deepspeed"].update(sequence_parallel_size=2)))
+    assert "one model-parallel dimension at a time" in msg
+    msg = error_for(lambda s: s["deepspeed"].update(sequence_parallel_size=2, zero_optimization={"stage": 3}))
+    assert "sequence_parallel_size (2) with zero_optimization.stage 3" in msg
     # A world of 8 replicas of 4 ranks needs 8 samples a step at least.
     msg = error_for(lambda s: (tp(4, min_workers=4, max_workers=32)(s), s.update(global_batch_size=6)))
     assert "8 data-parallel replicas (world size 32 / model-parallel size 4)" in msg

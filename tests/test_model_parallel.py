@@ -1,12 +1,14 @@
-"""Elastic training with tensor parallelism (DeepSpeed AutoTP): a Hugging Face Llama sliced over
-model-parallel groups of 2 ranks, elastic over its data-parallel replicas, on a real local cluster
+"""Elastic training with model parallelism: a Hugging Face Llama whose replicas are groups of 2
+ranks, sliced by tensor parallelism (DeepSpeed AutoTP) or splitting each sequence by sequence
+parallelism (DeepSpeed Ulysses), elastic over its data-parallel replicas, on a real local cluster
 of 2 nodes x 2 CPUs (a group fits a node), gloo on CPU.
 
 A killed rank retires its whole group: the world goes 4 -> 2 (one replica, on one node), and back
 to 4 when the killed rank's replacement completes a group on its node. Every step trains on the
 same samples in the same order at every data-parallel size, so the per-step losses equal the
-fault-free run's with the same layout; the checkpoints are resharded per tensor-parallel slice
-across data-parallel sizes, and one written after those reshards exports to a Hugging Face folder
+fault-free run's (the same samples and math in every layout: the sequence-parallel run is held to
+the tensor-parallel run's losses); the checkpoints are resharded across data-parallel sizes (per
+tensor-parallel slice), and one written after those reshards exports to a Hugging Face folder
 whose loss on that step's batch is the logged loss.
 """
 
@@ -23,10 +25,14 @@ pytestmark = pytest.mark.cluster
 STEPS = 12
 
 
-def spec(run_dir, chaos=(), forward_delay_s=0.0):
-    """test_hf's Llama spec at ZeRO-2, each replica over 2 tensor-parallel ranks."""
+TP = {"tensor_parallel": {"autotp_size": 2}}
+SP = {"sequence_parallel_size": 2}
+
+
+def spec(run_dir, layout, chaos=(), forward_delay_s=0.0):
+    """test_hf's Llama spec at ZeRO-2, each replica over 2 ranks (`layout`: TP or SP)."""
     return hf_spec(run_dir, 2, chaos, forward_delay_s=forward_delay_s, steps_per_round=2, every_n_steps=2,
-                   max_steps=STEPS, deepspeed={"tensor_parallel": {"autotp_size": 2}})
+                   max_steps=STEPS, deepspeed=layout)
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +41,41 @@ def cluster():
         yield lc
 
 
+@pytest.fixture(scope="module")
+def base(cluster, tmp_path_factory):
+    """The fault-free run: tensor parallel, 2 replicas all along."""
+    result = fit(spec(tmp_path_factory.mktemp("base"), TP), echo=False, local_cluster=cluster)
+    assert result.status == "finished" and result.world_sizes == [4], result.error
+    assert_released()
+    return result
+
+
+def all_cpus_free():
+    """Ray's per-node view of free resources lags a released run by up to a second; a replica's
+    placement group is one node's, sized from that view, so the next run would start with one
+    replica (and grow): wait until every CPU shows free again."""
+    import time
+
+    import ray
+
+    from airay.placement import available_per_node
+
+    deadline = time.time() + 20
+    while sum(n.get("CPU", 0) for n in available_per_node()) < ray.cluster_resources()["CPU"] and time.time() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("layout", [TP, SP], ids=["tensor-parallel", "sequence-parallel"])
 def test_a_killed_rank_retires_its_group_the_replicas_shrink_and_regrow_with_the_losses_of_the_run_without(
-        cluster, tmp_path):
+        cluster, base, layout, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from airay.export import export_hf
 
-    base = fit(spec(tmp_path / "base"), echo=False, local_cluster=cluster)
-    assert base.status == "finished" and base.world_sizes == [4], base.error
-    assert_released()
     # Paced steps: the killed rank's replacement (a cold process) is up while the run goes on.
-    faulty = fit(spec(tmp_path / "kill", [{"fault": "kill_worker", "at_step": 5, "rank": 1}], forward_delay_s=0.8),
-                 echo=False, local_cluster=cluster)
+    all_cpus_free()
+    faulty = fit(spec(tmp_path / "kill", layout, [{"fault": "kill_worker", "at_step": 5, "rank": 1}],
+                      forward_delay_s=0.8), echo=False, local_cluster=cluster)
     assert_released()
     assert faulty.status == "finished" and faulty.world_sizes == [4, 2, 4], faulty.error
     expected, got = committed_losses(base.run_dir), committed_losses(faulty.run_dir)
@@ -69,8 +98,8 @@ def test_a_killed_rank_retires_its_group_the_replicas_shrink_and_regrow_with_the
     metrics = [m for m in read_jsonl(f"{faulty.run_dir}/metrics.jsonl") if "tokens_per_s" in m]
     assert metrics and all(m["tokens_per_s"] * m["step_time_s"] == pytest.approx(GBS * SEQ) for m in metrics)
 
-    # The first durable step saved after the state went through the reshards (4 -> 2 -> 4
-    # replicas' partitions): its two slices joined into the whole model.
+    # The first durable step saved after the state went through the reshards (4 -> 2 -> 4 ranks'
+    # partitions), exported as one model (tensor parallel: its two slices joined).
     saved = [e["step"] for e in events if e["type"] == "checkpoint_saved" and e["tier"] == "durable"]
     step = min(s for s in saved if s > formed[2]["step"])
     out = export_hf(f"{faulty.run_dir}/checkpoints/step_{step:08d}", tmp_path / "hf")

@@ -86,3 +86,20 @@ def test_export_joins_slices_along_the_dimension_they_were_cut_and_names_one_tha
     assert torch.equal(out["col"], full) and torch.equal(out["row"], full) and torch.equal(out["norm"], torch.ones(6))
     with pytest.raises(ValueError, match=r"slices of col \(\[\(2, 6\), \(2, 6\)\]\) do not make its shape .*\(5, 6\)"):
         merge_tensor_parallel(slices, {"col": (5, 6), "row": (4, 6), "norm": (6,)})
+
+
+def test_a_sequence_parallel_shard_keeps_each_tokens_next_token_and_global_position():
+    from airay.parallel.sequence import shard
+
+    ids = torch.arange(16).reshape(2, 8)
+    labels = ids.clone()
+    labels[1, 6:] = -100  # padding at the end of the second sample: not predicted
+    parts = [shard({"input_ids": ids}, labels, r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([p["input_ids"] for p in parts], 1), ids)
+    assert torch.equal(parts[1]["position_ids"][0], torch.arange(4, 8))
+    # The last token of shard 0 predicts the first of shard 1; the sequence's last token, nothing.
+    assert parts[0]["shift_labels"][0, -1] == 4 and parts[1]["shift_labels"][0, -1] == -100
+    predicted = 7 + 5  # tokens with a next token that counts, over both samples
+    assert all(float(p["num_items_in_batch"]) == predicted / 2 for p in parts)
+    with pytest.raises(ValueError, match="sequences of 8 tokens do not split over sequence_parallel_size 3"):
+        shard({"input_ids": ids}, labels, 0, 3)

@@ -128,7 +128,8 @@ def _worker_in_a_world(loss_fn, data=None):
 
     w = TrainWorker.__new__(TrainWorker)
     w.rank, w.device, w.engine, w.loss_fn = 1, "cpu", object(), loss_fn
-    w.mp, w.replica = 1, 1  # no model parallelism: rank 1 is replica 1
+    w.tp = w.sp = w.mp = 1  # no model parallelism: rank 1 is replica 1
+    w.replica, w.sp_rank, w.world = 1, 0, 2
     w.plan = plan_batch(8, 2, 2)
     w.data = data or SyntheticSource(tiny_gpt.synthetic_sample, 0, {})
     w._world_sockets, w._preempted_at, w._progress = {}, None, {}

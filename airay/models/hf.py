@@ -253,7 +253,7 @@ def _for_training(model, opts: Options):
 
 def labels_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model's labels: the input ids, with padding (attention_mask 0) ignored."""
-    labels = batch["input_ids"].long()  # parquet columns arrive as int32
+    labels = batch["input_ids"].to(torch.long, copy=True)  # parquet columns arrive as int32; never the ids
     mask = batch.get("attention_mask")
     if mask is not None:
         labels[mask == 0] = -100
@@ -261,7 +261,14 @@ def labels_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's own causal-LM loss (it shifts the labels), mean over the micro-batch's tokens."""
+    """The model's own causal-LM loss (it shifts the labels), mean over the micro-batch's tokens.
+    A sequence-parallel rank's share (airay.parallel.sequence.shard: labels already shifted, the
+    divisor given) through the same loss function of the model's."""
+    if "shift_labels" in batch:
+        out = model(input_ids=batch["input_ids"].long(), position_ids=batch["position_ids"],
+                    labels=batch["shift_labels"], shift_labels=batch["shift_labels"],
+                    num_items_in_batch=batch["num_items_in_batch"])
+        return out.loss.float()
     out = model(input_ids=batch["input_ids"].long(), attention_mask=batch.get("attention_mask"), labels=labels_of(batch))
     return out.loss.float()
 

@@ -85,7 +85,9 @@ class TrainWorker:
         self._hf_zero3 = None  # transformers' DeepSpeed integration, registered for a ZeRO-3 engine
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
-        self.mp, self.replica = 1, None  # ranks per model replica; this rank's replica (set by a join)
+        # Ranks per replica (tensor x sequence parallel), this rank's replica and place in its
+        # sequence group, and the world's size: set by a join (airay.parallel.layout).
+        self.tp, self.sp, self.mp, self.replica, self.sp_rank, self.world = 1, 1, 1, None, 0, None
         self._world_sockets: dict[int, int] = {}
         self._joining_port: int | None = None  # the rendezvous port while a join is in it
         self._aborted_port: int | None = None  # a rendezvous the driver aborted (abort_world)
@@ -227,8 +229,10 @@ class TrainWorker:
         # replicas) and slice the model between them (DeepSpeed AutoTP).
         from airay.parallel.layout import Layout
 
-        self.mp = 1 if stand_in else self.config.model_parallel_size
-        self.replica = Layout(world_size, tp=self.mp).replica(rank)
+        self.tp, self.sp = (1, 1) if stand_in else (self.config.tensor_parallel_size, self.config.sequence_parallel_size)
+        self.mp, self.world = self.tp * self.sp, world_size
+        where = Layout(world_size, tp=self.tp, sp=self.sp).coordinates(rank)
+        self.replica, self.sp_rank = where.dp, where.sp
         reset_zero3_globals()
         from airay.worker.memory import peak_since, start_peak
 
@@ -236,6 +240,7 @@ class TrainWorker:
         cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", False)
         if stand_in:  # a world of one: nothing to slice the stand-in over
             cfg.pop("tensor_parallel", None)
+            cfg.pop("sequence_parallel_size", None)
         self._hf_zero3 = hf_zero3(cfg) if partitioned(cfg) else None  # held while the engine lives
         factory, kwargs = (_stand_in, {}) if stand_in else (self.model_factory, self.config.model.kwargs)
         model = build_model(factory, kwargs, self.config.seed, cfg, init_weights=init_weights, call=self._user)
@@ -359,7 +364,7 @@ class TrainWorker:
                                     client_state={"airay_step": step, "airay_data": data_position},
                                     save_latest=False)
         self._saving = {"step": step, "dir": str(root / step_name(step)), "t0": t0,
-                        "layout": layout_of(self.engine) if self.rank < self.mp else {}}  # each slice's
+                        "layout": layout_of(self.engine) if self.rank < self.tp else {}}  # each slice's
         self._at(step, 2, "save")
         return {"save_s": time.perf_counter() - t0}
 
@@ -442,17 +447,20 @@ class TrainWorker:
 
         t0 = time.perf_counter()
         # This rank's model-parallel slice, over the data-parallel replicas (Manifest.slice).
-        manifest, rank = Manifest.from_json(spec["manifest"]).slice(self.rank % self.mp), self.replica
+        # This rank's tensor-parallel slice, partitioned over the other ranks of that slice (the
+        # replicas; with sequence parallelism, every rank: ZeRO partitions over data x sequence).
+        manifest = Manifest.from_json(spec["manifest"]).slice(self.rank % self.tp)
+        rank, world = self.rank // self.tp, self.world // self.tp
         layout = layout_of(self.engine)
         source = Source(str(node_dir(spec["memory_base"], self.node_id) / step_name(spec["step"])),
                         {n: [(node, store) for node, store in holders if node != self.node_id]
                          for n, holders in spec["peers"].items()}, spec["durable"])
         paths, copies, bad = {}, {"local": 0, "peer": 0, "durable": 0}, []
-        names = needed_files(manifest, rank, self.plan.world_size, layout)
+        names = needed_files(manifest, rank, world, layout)
         # At another world size, old partitions are read in part, chunk by verified chunk, when
         # the manifest has chunk CRCs (airay.checkpoint.ranges); whole files otherwise.
         partial = [n for n in names if "optim_states" in n] \
-            if manifest.chunk_bytes and manifest.world_size != self.plan.world_size else []
+            if manifest.chunk_bytes and manifest.world_size != world else []
         for i, name in enumerate(n for n in names if n not in partial):
             self._at(spec["step"], i, "fetch")  # progress for the driver's hang watch, file by file
             f = manifest.files[name]
@@ -465,13 +473,13 @@ class TrainWorker:
             self._at(spec["step"], len(paths), "fetch")
             shutil.rmtree(scratch_dir() / "sparse", ignore_errors=True)
             got, met, part_read, part_needed, served = fetch_partial(
-                manifest, rank, self.plan.world_size, layout, partial, source, scratch_dir() / "sparse")
+                manifest, rank, world, layout, partial, source, scratch_dir() / "sparse")
             paths.update(got)
             bad += met
             for kind in served.values():
                 copies[kind] += 1
             read, needed = read + part_read, needed + part_needed
-        self._load_plan = LoadPlan(manifest, rank, self.plan.world_size, paths, layout)
+        self._load_plan = LoadPlan(manifest, rank, world, paths, layout)
         return {"copies": copies, "bad": bad, "files": sorted(paths), "fetch_s": time.perf_counter() - t0,
                 "bytes": read, "bytes_needed": needed, "partial_files": len(partial)}
 
@@ -567,7 +575,7 @@ class TrainWorker:
             self._at(step, micro, "forward")
             if fault is not None and micro == 0:
                 self._user(chaos.strike, fault, step, self.rank)
-            loss = self._user(self.loss_fn, self.engine, {k: v.to(self.device) for k, v in batch.items()})
+            loss = self._user(self.loss_fn, self.engine, self._share(batch))
             local_s += time.perf_counter() - t_fwd
             self._at(step, micro, "backward")
             backward_micro_batch(self.engine, loss, samples, self.plan)
@@ -575,6 +583,11 @@ class TrainWorker:
                 loss_sum += loss.detach().float() * samples
         if fault is not None:
             chaos.step_done(fault)
+        if self.sp > 1:  # each rank's loss covers its share of the sequences: the replica's is their mean
+            import torch.distributed as tdist
+
+            tdist.all_reduce(loss_sum, group=self.engine.mpu.get_sequence_parallel_group())
+            loss_sum /= self.sp
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
         self._at(step, len(batches), "done")
@@ -594,6 +607,16 @@ class TrainWorker:
         if self.config.data.record_sample_ids:
             out["sample_ids"] = [i for b in real for i in b["sample_id"].tolist()]
         return out
+
+    def _share(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of a replica's micro-batch, on its device: all of it, or with sequence
+        parallelism its share of every sequence (airay.parallel.sequence)."""
+        if self.sp > 1:
+            from airay.models.hf import labels_of
+            from airay.parallel.sequence import shard
+
+            batch = shard(batch, labels_of(batch), self.sp_rank, self.sp)
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def _user(self, fn, *args, **kwargs):
         """Call user code; its exceptions become UserCodeError carrying the original traceback."""

@@ -122,3 +122,31 @@ def release_parallel_groups() -> None:
         release(None)
     else:  # older DeepSpeed: the globals themselves
         groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._DATA_PARALLEL_GROUP = None
+
+
+_CORE_ATTENTION: dict[str, object] = {}  # transformers' own attention functions, before Ulysses wrapped them
+
+
+def sequence_parallel_mpu(model, ds_config: dict, micro_batch_size: int):
+    """DeepSpeed Ulysses for a transformers model (`sequence_parallel_size` > 1): its sequence
+    groups made over the world now, the model's attention wrapped to all-to-all over them
+    (UlyssesSPAttentionHF); returns the mpu for deepspeed.initialize, None without it.
+    deepspeed 0.19 wraps the attention in transformers' process-wide table, taking what is
+    there as the core: at a warm worker's next world that would be the last world's wrapper
+    (its groups destroyed), so the core is put back first."""
+    sp = int(ds_config.get("sequence_parallel_size", 1) or 1)
+    if sp <= 1:
+        return None
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    core = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if core is None:
+        raise TypeError(f"deepspeed.sequence_parallel_size {sp} needs a transformers model (Ulysses wraps its "
+                        f"attention); model.factory built a {type(model).__name__}")
+    if core in _CORE_ATTENTION:
+        ALL_ATTENTION_FUNCTIONS[core] = _CORE_ATTENTION[core]
+    elif core in ALL_ATTENTION_FUNCTIONS:
+        _CORE_ATTENTION[core] = ALL_ATTENTION_FUNCTIONS[core]
+    return UlyssesSPAttentionHF.register_with_transformers(model, core, sp, micro_batch_size,
+                                                           seq_length_is_variable=True)

@@ -66,10 +66,11 @@ def build_engine(model, base_config: dict[str, Any], plan: BatchPlan, device: st
     elif cfg.get("zero_optimization", {}).get("stage") == 3:
         zero = cfg["zero_optimization"]
         zero.update(zero3_memory_defaults(zero, max(int(p.ds_numel) for p in model.parameters())))
-    from airay.worker.deepspeed_compat import tensor_parallel_mpu
+    from airay.worker.deepspeed_compat import sequence_parallel_mpu, tensor_parallel_mpu
 
+    mpu = tensor_parallel_mpu(cfg) or sequence_parallel_mpu(model, cfg, plan.micro_batch_size)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                      dist_init_required=False, mpu=tensor_parallel_mpu(cfg))
+                                      dist_init_required=False, mpu=mpu)
     return engine
 
 

@@ -75,7 +75,7 @@ def test_a_killed_rank_retires_its_group_the_replicas_shrink_and_regrow_with_the
     # Paced steps: the killed rank's replacement (a cold process) is up while the run goes on.
     all_cpus_free()
     faulty = fit(spec(tmp_path / "kill", layout, [{"fault": "kill_worker", "at_step": 5, "rank": 1}],
-                      forward_delay_s=0.8), echo=False, local_cluster=cluster)
+                      forward_delay_s=0.5), echo=False, local_cluster=cluster)
     assert_released()
     assert faulty.status == "finished" and faulty.world_sizes == [4, 2, 4], faulty.error
     expected, got = committed_losses(base.run_dir), committed_losses(faulty.run_dir)

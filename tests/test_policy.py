@@ -61,6 +61,18 @@ def test_plan_refuses_a_world_larger_than_the_batch():
     assert sorted(plans) == [2, 3, 4]
 
 
+def test_a_plan_over_model_parallel_replicas_gives_every_rank_of_a_replica_its_samples():
+    # Worlds of 4, 8 and 12 ranks in replicas of 4 (tensor x sequence parallel): 1, 2 and 3
+    # replicas split the same 12 samples; each step's rows are the same whatever the size.
+    plans = policy.batch_plans(12, 2, [4, 8, 12], model_parallel=4)
+    assert {w: p.world_size for w, p in plans.items()} == {4: 1, 8: 2, 12: 3}
+    assert [plans[12].rank_rows(r) for r in range(3)] == [(0, 4), (4, 8), (8, 12)]
+    assert plans[8].deepspeed_fields() == {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2,
+                                           "gradient_accumulation_steps": 3}  # DeepSpeed counts replicas
+    with pytest.raises(policy.PolicyError, match="smaller than 4 data-parallel replicas"):
+        policy.batch_plans(3, 2, [16], model_parallel=4)
+
+
 def test_allowed_world_sizes_by_whole_nodes():
     assert policy.allowed_world_sizes(1, 4) == [1, 2, 3, 4]
     assert policy.allowed_world_sizes(8, 64, 8) == [8, 16, 24, 32, 40, 48, 56, 64]

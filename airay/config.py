@@ -18,6 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from airay import policy
+from airay.parallel.layout import deepspeed_sizes
 
 
 class ConfigError(ValueError):
@@ -463,8 +464,7 @@ class JobConfig(_Spec):
             raise ValueError(
                 f"remove {owned}: airay sets them from global_batch_size and micro_batch_size "
                 "for each world size")
-        tp = (value.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
-        sp = value.get("sequence_parallel_size", 1)
+        tp, sp = deepspeed_sizes(value)
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel.autotp_size must be a whole number >= 1, got {tp!r}")
         if not isinstance(sp, int) or sp < 1:
@@ -577,12 +577,12 @@ class JobConfig(_Spec):
     def tensor_parallel_size(self) -> int:
         """deepspeed.tensor_parallel.autotp_size: ranks a replica's model is sliced over (its
         checkpoint's slices)."""
-        return int((self.deepspeed.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+        return int(deepspeed_sizes(self.deepspeed)[0])
 
     @property
     def sequence_parallel_size(self) -> int:
         """deepspeed.sequence_parallel_size: ranks a replica's sequences are split over (Ulysses)."""
-        return int(self.deepspeed.get("sequence_parallel_size", 1) or 1)
+        return int(deepspeed_sizes(self.deepspeed)[1])
 
     @property
     def model_parallel_size(self) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from airay import goodput, policy
+from airay import goodput, placement, policy
 from airay.chaos_hook import ChaosHook
 from airay.checkpoint.layout import CheckpointInfo, job_identity
 from airay.checkpoint.loading import CheckpointIncompatible, CheckpointUnavailable
@@ -280,11 +280,11 @@ class Controller:
         # shrink gives back whole groups (airay.placement.group_sizes).
         mp = self.cfg.model_parallel_size
         unit = math.lcm(sc.world_size_multiple, mp) if self.seat is not None else 0
-        self.group = self.group_factory(self.cfg.model_dump(mode="json"), per_worker, sc.placement_strategy,
+        strategy = placement.strategy_for(sc.placement_strategy, mp)  # a model-parallel group shares a node
+        self.group = self.group_factory(self.cfg.model_dump(mode="json"), per_worker, strategy,
                                         self.cfg.timeouts.survivor_drain_s, self.memory_base, self.job,
-                                        self.cfg.timeouts.phase_timeout_s, unit=unit,
-                                        **({"mp": mp} if mp > 1 else {}))  # model-parallel groups share a node
-        self.rec.event("placement", resources_per_worker=per_worker, strategy=sc.placement_strategy)
+                                        self.cfg.timeouts.phase_timeout_s, unit=unit, mp=mp)
+        self.rec.event("placement", resources_per_worker=per_worker, strategy=strategy)
         # Room for the whole world, as a standing request the autoscaler acts on (a launcher
         # cluster that starts small grows; a lost node is replaced), withdrawn when the run ends.
         sizes = self._allowed()

@@ -22,6 +22,12 @@ def bundles_that_fit(available_per_node: list[dict[str, float]], per_worker: dic
     return sum(fits_per_node(available_per_node, per_worker))
 
 
+def strategy_for(requested: str, team: int) -> str:
+    """The placement strategy of a job's groups: the spec's, or STRICT_PACK when a model-parallel
+    group of `team` ranks must share a node (each placement group is then one node's)."""
+    return "STRICT_PACK" if team > 1 else requested
+
+
 def group_sizes(n: int, fits: list[int], strategy: str, unit: int = 0, team: int = 1) -> list[int]:
     """The placement groups (bundles in each) that reserve `n` workers. One group, where GCS
     may spread it over nodes; with STRICT_PACK a group must fit on one node, so it is one group

@@ -59,7 +59,7 @@ class WorkerGroup:
         self.unit, self.mp = unit, mp
         self.spec = spec
         self.per_worker = per_worker
-        self.strategy = "STRICT_PACK" if mp > 1 else strategy
+        self.strategy = strategy  # STRICT_PACK with mp > 1 (placement.strategy_for)
         self._worlds = 0  # worlds formed: names each one's model-parallel groups (Member.team)
         self.drain_s = drain_s
         self.phase_timeout_s = phase_timeout_s

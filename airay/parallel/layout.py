@@ -96,6 +96,13 @@ def groups_per_node(ranks_per_node: int, mp: int) -> int:
     return ranks_per_node // mp
 
 
+def deepspeed_sizes(ds_config: dict) -> tuple:
+    """(tensor, sequence) parallel sizes a DeepSpeed config asks for, as written (1 where unset or
+    0): `tensor_parallel.autotp_size` and `sequence_parallel_size`. airay.config checks them."""
+    return ((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1,
+            ds_config.get("sequence_parallel_size", 1) or 1)
+
+
 def form_teams(nodes: list[str | None], prior: list[object | None], mp: int) -> list[list[int]]:
     """Members (indices into `nodes`, each member's node) grouped into model-parallel groups of
     `mp` members on one node, the order a new world takes them in. First the groups that come

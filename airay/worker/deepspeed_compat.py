@@ -101,7 +101,9 @@ def tensor_parallel_mpu(ds_config: dict):
     airay.parallel.layout numbers them); None without tensor parallelism. Handed to
     deepspeed.initialize, so its batch check counts data-parallel replicas, not ranks
     (deepspeed 0.19: DeepSpeedConfig counts every rank when no mpu is given)."""
-    tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    from airay.parallel.layout import deepspeed_sizes
+
+    tp = int(deepspeed_sizes(ds_config)[0])
     if tp <= 1:
         return None
     from deepspeed.utils import groups
@@ -134,7 +136,9 @@ def sequence_parallel_mpu(model, ds_config: dict, micro_batch_size: int):
     deepspeed 0.19 wraps the attention in transformers' process-wide table, taking what is
     there as the core: at a warm worker's next world that would be the last world's wrapper
     (its groups destroyed), so the core is put back first."""
-    sp = int(ds_config.get("sequence_parallel_size", 1) or 1)
+    from airay.parallel.layout import deepspeed_sizes
+
+    sp = int(deepspeed_sizes(ds_config)[1])
     if sp <= 1:
         return None
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF

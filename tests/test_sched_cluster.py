@@ -133,7 +133,12 @@ def test_the_scheduler_keeps_its_jobs_across_a_restart_of_its_actor_and_a_teams_
     assert before["capacity"] == 4
 
     ray.kill(actor, no_restart=False)  # its process dies; Ray restarts it from the state on disk
+    # ray.kill is asynchronous: a call made at once may still reach the old process.
+    deadline = time.time() + 120
     after = ray.get(scheduler(create=False).snapshot.remote(), timeout=120)
+    while after["started"] == before["started"] and time.time() < deadline:
+        time.sleep(0.2)
+        after = ray.get(scheduler(create=False).snapshot.remote(), timeout=120)
     assert after["started"] > before["started"]
     assert {j["id"]: (j["state"], j["target"]) for j in after["jobs"] if j["id"] not in ended} == sizes
     assert after["quotas"] == {"prod": 2}

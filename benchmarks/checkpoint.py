@@ -165,6 +165,10 @@ def airay_run(d_model: int, work: Path, stage: int = 2, kill: bool = True) -> di
         "worker_peak_rss": max(max(r for _, r in s) for s in rss.workers.values()),
         "worker_rss_vs_footprint": max(ratios) if ratios else None,
         "held_s": [e["held_s"] for e in saves], "commit_s": commit, "copy_s": copies,
+        # What held the loop, part by part (medians): the save call on every rank, the wait for
+        # the previous save's commit, the next optimizer step's wait for live-tensor writes.
+        "held_parts": {k: statistics.median(e.get(k, 0.0) for e in saves)
+                       for k in ("blocking_s", "previous_commit_wait_s", "checkpoint_wait_s")},
         "commit_gb_per_s": statistics.median(e["bytes"] / c / 1e9 for e, c in zip(saves, commit)),
         "reshard_load_s": [e["load_s"] for e in loaded], "reshard_copies": [e["copies"] for e in loaded],
         "recovery_s": shrink["recovery_s"], "world_sizes": result.world_sizes, "losses": losses,
@@ -291,7 +295,8 @@ def measure(d_model: int, stage: int, med) -> dict:
           f"processes (driver {row['driver_peak_rss'] / 2**20:.0f} MiB); worker peak RSS "
           f"{row['worker_peak_rss'] / 2**20:.0f} MiB, x{_num(row['worker_rss_vs_footprint'])} its footprint; "
           f"held per save {row['held_median_s']:.3f} s vs DeepSpeed sync save {sync:.3f} s "
-          f"(ratio {row['held_vs_sync']:.3f}); commit to memory {row['commit_median_s']:.2f} s "
+          f"(ratio {row['held_vs_sync']:.3f}; " + ", ".join(f"{k} {v:.3f}" for k, v in row["held_parts"].items())
+          + f"); commit to memory {row['commit_median_s']:.2f} s "
           f"({row['commit_gb_per_s']:.2f} GB/s), peer copy {row['copy_median_s'] or 0:.2f} s; reshard reload "
           f"{row['reshard_load_median_s']:.2f} s, bytes read / needed {row['read_vs_needed']:.2f}; recovery_s "
           f"{row['recovery_s']:.2f}; worlds {row['world_sizes']}; loss vs fault-free, worst relative difference "

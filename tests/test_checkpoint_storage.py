@@ -61,10 +61,12 @@ def test_manifest_round_trip_and_the_files_a_rank_reads():
 def test_manifest_keeps_each_files_chunk_crcs_and_reads_one_written_without_them():
     m = Manifest.from_reports(4, 2, 3, JOB, [
         {"files": {"a.pt": [300, 1]}, "chunks": {"a.pt": [11, 12, 13]}, "chunk_bytes": 128, "layout": {}},
-        {"files": {"b.pt": [100, 2]}, "chunks": {"b.pt": [21]}, "chunk_bytes": 128, "layout": {}}], created=1.0)
+        {"files": {"b.pt": [100, 2]}, "chunks": {"b.pt": [21]}, "chunk_sizes": {"b.pt": 64}, "chunk_bytes": 128,
+         "layout": {}}], created=1.0)
     again = Manifest.from_json(m.to_json())
     assert again.chunk_bytes == 128 and again.files["a.pt"] == FileEntry(300, 1, 0, [11, 12, 13])
-    assert again.files["b.pt"].chunks == [21]
+    assert again.files["b.pt"] == FileEntry(100, 2, 1, [21], 64)  # a small file's own chunk size
+    assert (again.chunk_bytes_of("a.pt"), again.chunk_bytes_of("b.pt")) == (128, 64)
     # A manifest of an earlier airay (no chunk CRCs): whole files are read and verified.
     import json
 

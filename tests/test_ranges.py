@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_skeleton
-from airay.checkpoint.staging import CrcFile
+from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_skeleton, runs
+from airay.checkpoint.staging import CrcFile, chunk_size_for
 from tests.test_reshard import SMALL_SUB_GROUPS, _engine, _port, _save_world
 
 CHUNK = 4096  # the tiny GPT's partitions are tens of KB: chunks of 4 KiB stand for 64 MiB ones
@@ -33,6 +33,29 @@ def test_crc_file_keeps_a_crc_per_chunk_however_the_writes_fall():
             pos += n
         f.close()
         assert f.chunk_crcs() == chunk_crcs(data, chunk) and (f.size, f.crc) == (len(data), zlib.crc32(data))
+
+
+def test_a_files_chunks_are_about_256_powers_of_two_between_64_kib_and_chunk_mib():
+    assert chunk_size_for(26 << 20, 8 << 20) == 128 << 10  # a 26 MiB partition: 208 chunks of 128 KiB
+    assert chunk_size_for(300 << 20, 8 << 20) == 2 << 20
+    assert chunk_size_for(17 << 30, 8 << 20) == 8 << 20  # 17 GB (70B on 64 ranks): chunk_mib's, 2176 of them
+    assert chunk_size_for(1000, 8 << 20) == chunk_size_for(0, 8 << 20) == 64 << 10
+    assert chunk_size_for(26 << 20, 4096) == 4096  # chunk_mib below the smallest: chunk_mib's
+
+
+def test_a_run_of_needed_chunks_is_one_read():
+    data = random.Random(2).randbytes(10 * CHUNK)
+    reads = []
+
+    def peer(off, n):
+        reads.append((off, n))
+        return data[off:off + n]
+
+    assert runs([0, 1, 2, 5, 6, 9], 2) == [(0, 1), (2, 2), (5, 6), (9, 9)]
+    copy = ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), "/dev/null", False)
+    copy._write = lambda offset, data: None
+    assert copy.ensure([1, 2, 3, 7], [("peer:n1", peer)]) == [] and sorted(copy.verified) == [1, 2, 3, 7]
+    assert reads == [(CHUNK, 3 * CHUNK), (7 * CHUNK, CHUNK)] and copy.bytes_read == 4 * CHUNK
 
 
 def test_a_chunked_copy_verifies_each_chunk_and_falls_back_to_the_next_copy(tmp_path):

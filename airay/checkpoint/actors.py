@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import zlib
 from pathlib import Path
 
 from airay.checkpoint.budget import NodeMemory
+from airay.checkpoint.checksum import crc32
 from airay.checkpoint.tiers import MemoryTier
 
 STORE_THREADS = 8
@@ -82,7 +82,7 @@ class NodeStore:
             f.seek(offset)
             f.write(data)
         with self._arrived:
-            self._incoming[key] = (offset + len(data), zlib.crc32(data, self._incoming[key][1]))
+            self._incoming[key] = (offset + len(data), crc32(data, self._incoming[key][1]))
             self._arrived.notify_all()
         return len(data)
 

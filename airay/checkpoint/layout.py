@@ -58,7 +58,8 @@ class FileEntry:
     size: int
     crc32: int
     rank: int
-    chunks: list[int] = field(default_factory=list)  # CRC-32 of each Manifest.chunk_bytes of the file
+    chunks: list[int] = field(default_factory=list)  # CRC-32 of each chunk of the file
+    chunk_bytes: int = 0  # the size of its chunks; 0: the manifest's chunk_bytes
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Manifest:
     files: dict[str, FileEntry]
     layout: dict[str, Any] = field(default_factory=dict)  # e.g. {"partitions": [...]} (ZeRO-1/2)
     created: float = 0.0
-    chunk_bytes: int = 0  # of the files' chunk CRCs; 0: none (whole files are read and verified)
+    chunk_bytes: int = 0  # the largest chunk (a file's own: chunk_bytes_of); 0: no chunk CRCs, files read whole
     model_parallel: int = 1  # ranks per model replica: world_size / model_parallel data-parallel replicas
     mp_rank: int = 0  # a slice's view (`slice`): whose files its names are; not written
     slices: int = 1  # a slice's view: how many slices the checkpoint has (DeepSpeed counts their files)
@@ -89,6 +90,10 @@ class Manifest:
         return replace(self, world_size=self.data_parallel, layout=self.layout["slices"][mp_rank], model_parallel=1,
                        mp_rank=mp_rank, slices=self.model_parallel)
 
+    def chunk_bytes_of(self, name: str) -> int:
+        """The size of file `name`'s chunks (a small file has small ones: staging.chunk_size_for)."""
+        return self.files[name].chunk_bytes or self.chunk_bytes
+
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files.values())
@@ -97,7 +102,8 @@ class Manifest:
         return json.dumps({"format": FORMAT, "step": self.step, "world_size": self.world_size,
                            "zero_stage": self.zero_stage, "job": self.job, "created": self.created,
                            "layout": self.layout, "chunk_bytes": self.chunk_bytes, "model_parallel": self.model_parallel,
-                           "files": {n: [f.size, f.crc32, f.rank, f.chunks] for n, f in sorted(self.files.items())}},
+                           "files": {n: [f.size, f.crc32, f.rank, f.chunks] + ([f.chunk_bytes] if f.chunk_bytes else [])
+                                     for n, f in sorted(self.files.items())}},
                           indent=1)
 
     @classmethod
@@ -113,10 +119,10 @@ class Manifest:
     def from_reports(cls, step: int, world_size: int, zero_stage: int, job: dict, reports: list[dict],
                      created: float, model_parallel: int = 1) -> "Manifest":
         """The manifest of a save from every rank's report ({"files": {name: [size, crc]}, "layout",
-        "chunks": {name: [crc, ...]}, "chunk_bytes"}). With model parallelism, ranks 0..mp-1 (the
-        first replica) report their slices' layouts: {"slices": [...]}."""
-        files = {n: FileEntry(size, crc, rank, list(rep.get("chunks", {}).get(n, []))) for rank, rep in enumerate(reports)
-                 for n, (size, crc) in rep["files"].items()}
+        "chunks": {name: [crc, ...]}, "chunk_sizes": {name: bytes}, "chunk_bytes"}). With model
+        parallelism, ranks 0..mp-1 (the first replica) report their slices' layouts: {"slices": [...]}."""
+        files = {n: FileEntry(size, crc, rank, list(rep.get("chunks", {}).get(n, [])), rep.get("chunk_sizes", {}).get(n, 0))
+                 for rank, rep in enumerate(reports) for n, (size, crc) in rep["files"].items()}
         if model_parallel > 1:
             layout = {"slices": [reports[m].get("layout") or {} for m in range(model_parallel)]}
         else:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import fcntl
 import os
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from airay.checkpoint import reshard
 from airay.checkpoint.actors import io_timeout_s
+from airay.checkpoint.checksum import crc32
 from airay.checkpoint.layout import Manifest, files_to_load, step_name
 from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_mmap, load_skeleton, \
     slice_range, storage_range, tensors_in
@@ -47,7 +47,7 @@ def file_crc(path: str | os.PathLike) -> tuple[int, int]:
     crc, size = 0, 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
     return size, crc
 
@@ -127,7 +127,7 @@ def _from_peer(store, step: int, name: str, dest: Path) -> tuple[int, int]:
             if len(data) == CHUNK:  # there may be more: ask for the one after the next
                 pending.append(store.read.remote(step, name, offset + (len(pending) + 1) * CHUNK, CHUNK))
             out.write(data)
-            crc, size, offset = zlib.crc32(data, crc), size + len(data), offset + len(data)
+            crc, size, offset = crc32(data, crc), size + len(data), offset + len(data)
             if len(data) < CHUNK:
                 for ref in pending:
                     ray.cancel(ref)
@@ -250,7 +250,7 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         f = manifest.files[name]
         local = Path(source.local_dir) / name
         whole = local.is_file() and local.stat().st_size == f.size
-        copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes, f.chunks,
+        copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes_of(name), f.chunks,
                                    str(local if whole else Path(sparse_dir) / name), whole)
         fetchers[name] = [(f"peer:{node_id}", lambda off, n, store=store, name=name:
                            ray.get(store.read.remote(step, name, off, n), timeout=io_timeout_s(n)))
@@ -266,7 +266,7 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         plan = LoadPlan(manifest, rank, world_size, {n: c.path for n, c in copies.items()}, layout)
         wanted = plan.needed_ranges(skeletons.__getitem__)
         for name, ranges in wanted.items():
-            bad += copies[name].ensure(chunks_of(ranges, copies[name].size, manifest.chunk_bytes), fetchers[name])
+            bad += copies[name].ensure(chunks_of(ranges, copies[name].size, copies[name].chunk_bytes), fetchers[name])
     except ChunkUnavailable as exc:
         raise CheckpointUnavailable(f"{exc} (step {step})", step, bad + exc.bad) from None
     needed = sum(hi - lo for ranges in wanted.values() for lo, hi in ranges)

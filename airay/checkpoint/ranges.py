@@ -20,9 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from airay.checkpoint.checksum import crc32
+
+
+# The most one read of a run of chunks asks for: a peer's reply or a ranged read of durable
+# storage, held in memory once.
+MAX_READ = 64 << 20
+
 
 def chunks_of(ranges: list[tuple[int, int]], size: int, chunk_bytes: int) -> list[int]:
     """Indices of the chunks of a `size`-byte file that the byte ranges [lo, hi) touch."""
@@ -32,6 +39,17 @@ def chunks_of(ranges: list[tuple[int, int]], size: int, chunk_bytes: int) -> lis
         if hi > lo:
             need.update(range(lo // chunk_bytes, (hi - 1) // chunk_bytes + 1))
     return sorted(need)
+
+
+def runs(indices: list[int], longest: int) -> list[tuple[int, int]]:
+    """Sorted `indices` as runs (first, last) of consecutive ones, none longer than `longest`."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and i == out[-1][1] + 1 and i - out[-1][0] < longest:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return out
 
 
 def slice_range(t) -> tuple[int, int]:
@@ -88,37 +106,46 @@ class ChunkedCopy:
 
     def ensure(self, chunks: list[int], fetchers: list) -> list[dict]:
         """Make `chunks` present and verified, from the node's whole copy when it has one, else
-        from each of `fetchers` ((label, fetch(offset, size) -> bytes)) in turn; returns the bad
-        copies met. A bad chunk in the node's copy moves every chunk to a sparse copy. Raises
-        ChunkUnavailable when a chunk has no good copy."""
+        from each of `fetchers` ((label, fetch(offset, size) -> bytes)) in turn, each run of
+        consecutive chunks in one read; returns the bad copies met. A bad chunk in the node's
+        copy moves every chunk to a sparse copy. Raises ChunkUnavailable when a chunk has no
+        good copy."""
         bad: list[dict] = []
         self.wanted.update(chunks)
-        for i in sorted(self.wanted - self.verified):
-            lo, hi = i * self.chunk_bytes, min(self.size, (i + 1) * self.chunk_bytes)
-            sources = [("local", self._read_local)] if self.whole_local else list(fetchers)
-            for label, fetch in sources:
+        sources = [("local", self._read_local)] if self.whole_local else list(fetchers)
+        for label, fetch in sources:
+            for first, last in runs(sorted(self.wanted - self.verified), max(1, MAX_READ // self.chunk_bytes)):
+                lo, hi = first * self.chunk_bytes, min(self.size, (last + 1) * self.chunk_bytes)
                 try:
                     data = fetch(lo, hi - lo)
                 except Exception as exc:  # the peer or storage is gone: the next copy
-                    bad.append({"file": self.name, "copy": label, "reason": f"chunk {i}: {type(exc).__name__}: {exc}"})
+                    bad.append({"file": self.name, "copy": label,
+                                "reason": f"chunk {first}: {type(exc).__name__}: {exc}"})
                     continue
                 self.bytes_read += len(data)
-                if len(data) == hi - lo and zlib.crc32(data) == self.crcs[i]:
-                    if label != "local":
-                        self._write(lo, data)
-                    self.verified.add(i)
-                    kind = label.split(":")[0]
-                    self.served[kind] = self.served.get(kind, 0) + 1
-                    break
-                bad.append({"file": self.name, "copy": label,
-                            "reason": f"chunk {i}: {len(data)} bytes, crc32 {zlib.crc32(data):#010x}; manifest says "
-                                      f"{hi - lo} bytes, crc32 {self.crcs[i]:#010x}"})
-            else:
-                if self.whole_local:  # the node's copy is bad here: every chunk from elsewhere
-                    self.whole_local, self.path, self.verified, self.served = False, self.path + ".sparse", set(), {}
-                    return bad + self.ensure([], fetchers)
-                raise ChunkUnavailable(self.name, i, bad)
+                for i in range(first, last + 1):
+                    bad += self._verify(i, data[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo], label)
+        missing = sorted(self.wanted - self.verified)
+        if missing and self.whole_local:  # the node's copy is bad here: every chunk from elsewhere
+            self.whole_local, self.path, self.verified, self.served = False, self.path + ".sparse", set(), {}
+            return bad + self.ensure([], fetchers)
+        if missing:
+            raise ChunkUnavailable(self.name, missing[0], bad)
         return bad
+
+    def _verify(self, i: int, data: bytes, label: str) -> list[dict]:
+        """Keep chunk i's bytes from copy `label` if they are the manifest's; else the bad copy."""
+        want = min(self.chunk_bytes, self.size - i * self.chunk_bytes)
+        if len(data) == want and crc32(data) == self.crcs[i]:
+            if label != "local":
+                self._write(i * self.chunk_bytes, data)
+            self.verified.add(i)
+            kind = label.split(":")[0]
+            self.served[kind] = self.served.get(kind, 0) + 1
+            return []
+        return [{"file": self.name, "copy": label,
+                 "reason": f"chunk {i}: {len(data)} bytes, crc32 {crc32(data):#010x}; manifest says "
+                           f"{want} bytes, crc32 {self.crcs[i]:#010x}"}]
 
     def _read_local(self, offset: int, size: int) -> bytes:
         with open(self.path, "rb") as f:

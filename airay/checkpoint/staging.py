@@ -24,12 +24,26 @@ import copy as _copy
 import os
 import threading
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait_all
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from airay.checkpoint.checksum import crc32
+
+
+# A file's chunks: about this many (a resharded load reads whole chunks, so at most one chunk too
+# many at each end of each range it needs), each at least MIN_CHUNK (one read each) and at most
+# `checkpoint.chunk_mib` (a file of many GB has more chunks rather than larger ones).
+CHUNKS_PER_FILE = 256
+MIN_CHUNK = 64 << 10
+
+
+def chunk_size_for(nbytes: int, most: int) -> int:
+    """The chunk size of a file of about `nbytes`: the power of two that cuts it into about
+    CHUNKS_PER_FILE chunks, between MIN_CHUNK and `most`."""
+    return min(most, max(MIN_CHUNK, 1 << max(0, nbytes // CHUNKS_PER_FILE - 1).bit_length()))
 
 
 class CrcFile:
@@ -42,11 +56,11 @@ class CrcFile:
         self.chunk_bytes, self.chunks, self._chunk_crc = chunk_bytes, [], 0
 
     def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         view, pos = memoryview(data).cast("B"), 0
         while pos < len(view):  # the chunk CRCs: cut at every chunk boundary of the file
             take = min(len(view) - pos, self.chunk_bytes - (self.size + pos) % self.chunk_bytes)
-            self._chunk_crc = zlib.crc32(view[pos:pos + take], self._chunk_crc)
+            self._chunk_crc = crc32(view[pos:pos + take], self._chunk_crc)
             pos += take
             if (self.size + pos) % self.chunk_bytes == 0:
                 self.chunks.append(self._chunk_crc)
@@ -119,20 +133,23 @@ class Writer:
     world changes; pending files must not go with them) and writes queued state dicts in order."""
 
     def __init__(self, chunk_bytes: int = 8 << 20):
-        self.chunk_bytes = chunk_bytes  # of the chunk CRCs (checkpoint.chunk_mib)
+        self.chunk_bytes = chunk_bytes  # the largest chunk of the chunk CRCs (checkpoint.chunk_mib)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-writer")
         self._pending: list[Future] = []
         self._live: list[Future] = []  # writes that read tensors the optimizer step will change
         self._copies: list = []  # device-to-host copies of live tensors (CUDA events) not yet waited for
         self._wait_s = 0.0
         self._written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32) since take_written
-        self._chunks: dict[str, list[int]] = {}  # path -> its chunk CRCs, since take_written
+        self._chunks: dict[str, tuple[int, list[int]]] = {}  # path -> (chunk size, its CRCs), since take_written
         self._lock = threading.Lock()
 
-    def submit(self, path: str, state, live: bool, copied=None) -> None:
+    def submit(self, path: str, state, live: bool, copied=None, nbytes: int = 0) -> None:
         """Write `state` to `path` in the background. `live`: it reads tensors the optimizer step
         changes (the step waits for the write); `copied`: an event after which `state`'s host
-        copies are complete (the write waits for it, the step too: not for the file)."""
+        copies are complete (the write waits for it, the step too: not for the file); `nbytes`:
+        about the file's size (its tensors' bytes), which sets its chunks' (chunk_size_for)."""
+        chunk_bytes = chunk_size_for(nbytes, self.chunk_bytes)
+
         def write():
             import torch
             from torch.utils.serialization import config
@@ -142,14 +159,14 @@ class Writer:
             # torch's own per-record CRC-32 is redundant with the file's (CrcFile), which the
             # manifest holds and every load checks: skip it (a quarter of a save's CPU time).
             config.save.compute_crc32 = False
-            f = CrcFile(path, self.chunk_bytes)
+            f = CrcFile(path, chunk_bytes)
             try:
                 torch.save(state, f)
             finally:
                 f.close()
             with self._lock:
                 self._written[path] = (f.size, f.crc)
-                self._chunks[path] = f.chunk_crcs()
+                self._chunks[path] = (chunk_bytes, f.chunk_crcs())
 
         with self._lock:
             future = self._pool.submit(write)
@@ -210,8 +227,8 @@ class Writer:
             written, self._written = self._written, {}
         return written
 
-    def take_chunks(self) -> dict[str, list[int]]:
-        """The chunk CRCs (of `chunk_bytes` each) of each file written since the last call, by path."""
+    def take_chunks(self) -> dict[str, tuple[int, list[int]]]:
+        """(chunk size, the chunk CRCs) of each file written since the last call, by path."""
         with self._lock:
             chunks, self._chunks = self._chunks, {}
         return chunks
@@ -319,10 +336,11 @@ class StagingEngine(TorchCheckpointEngine):
         staged = stage(state_dict, self._live, counts, host)
         self.live_bytes += counts["live"]
         self.cloned_bytes += counts["cloned"]
+        nbytes = counts["live"] + counts["cloned"]
         if host is not None:  # live tensors were copied to host: the file needs the copy, not the step
-            self.writer.submit(path, staged, live=False, copied=host.fence())
+            self.writer.submit(path, staged, live=False, copied=host.fence(), nbytes=nbytes)
         else:
-            self.writer.submit(path, staged, live=counts["live"] > 0)
+            self.writer.submit(path, staged, live=counts["live"] > 0, nbytes=nbytes)
 
     def _host_stager(self) -> HostStager | None:
         """On a CUDA rank that writes beside training, the stager of its live tensors."""

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from pathlib import Path
 
 import pyarrow.fs as pafs
+
+from airay.checkpoint.checksum import crc32
 
 # Files are copied in pieces of this size: large enough for object stores' throughput, small
 # enough that a copy never holds a whole multi-GB shard in memory.
@@ -128,7 +129,7 @@ class Storage:
             with open(local_path, "rb") as src, open(dest, "wb") as out:
                 while chunk := src.read(CHUNK):
                     out.write(chunk)
-                    crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+                    crc, size = crc32(chunk, crc), size + len(chunk)
                 out.flush()
                 os.fsync(out.fileno())
             return size, crc
@@ -136,7 +137,7 @@ class Storage:
         with open(local_path, "rb") as src, self.fs.open_output_stream(dest) as out:
             while chunk := src.read(CHUNK):
                 out.write(chunk)
-                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+                crc, size = crc32(chunk, crc), size + len(chunk)
         return size, crc
 
     def read_range(self, rel: str, offset: int, size: int) -> bytes:
@@ -151,7 +152,7 @@ class Storage:
         with open(dest, "wb") as out:
             for chunk in self.chunks(rel):
                 out.write(chunk)
-                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+                crc, size = crc32(chunk, crc), size + len(chunk)
         return size, crc
 
     def sync_dir(self, rel: str) -> None:

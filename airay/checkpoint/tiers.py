@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from airay.checkpoint.checksum import crc32
 from airay.checkpoint.layout import KEEP_MARKER, MANIFEST, OWNER, CheckpointInfo, Manifest, private_dir, \
     step_name, step_of
 from airay.checkpoint.storage import Storage, display
@@ -229,7 +230,6 @@ def describe(location: str, check_crc: bool = False) -> list[dict]:
     world size, bytes and status: verified (manifest and sizes, and with `check_crc` checksums,
     hold), incomplete (no manifest or a file missing or short: never loaded), corrupt (a checksum
     differs), rejected (set aside by a run). For `airay checkpoints`, which may read every byte."""
-    import zlib
 
     tier = DurableTier.reading(location)
     storage = tier.storage
@@ -252,7 +252,7 @@ def describe(location: str, check_crc: bool = False) -> list[dict]:
                 for fname, entry in info.manifest.files.items():
                     crc = 0
                     for chunk in storage.chunks(f"{name}/{fname}"):
-                        crc = zlib.crc32(chunk, crc)
+                        crc = crc32(chunk, crc)
                     if crc != entry.crc32:
                         row["status"] = "corrupt"
                         break

@@ -381,7 +381,7 @@ class TrainWorker:
             raise RuntimeError(f"rank {self.rank} has no save of step {step} to persist")
         self._ckpt_writer.wait()  # the files are complete (a failed write fails this save)
         written = {Path(p).name: list(v) for p, v in self._ckpt_writer.take_written().items()}
-        chunks = {Path(p).name: v for p, v in self._ckpt_writer.take_chunks().items()}
+        chunked = {Path(p).name: v for p, v in self._ckpt_writer.take_chunks().items()}
         write_s = time.perf_counter() - saving["t0"]
         self._persisted[step] = {"dir": saving["dir"], "files": written}
         for old in sorted(self._persisted)[:-4]:  # what later uploads may still need, no more
@@ -389,7 +389,8 @@ class TrainWorker:
         copied = self._take_copies()
         if peer is not None:
             self._copying[step] = self._copier.submit(self._copy_to_peer, step, saving["dir"], written, peer, peer_node)
-        return {"files": written, "chunks": chunks, "chunk_bytes": self._ckpt_writer.chunk_bytes,
+        return {"files": written, "chunks": {n: crcs for n, (_, crcs) in chunked.items()},
+                "chunk_sizes": {n: size for n, (size, _) in chunked.items()}, "chunk_bytes": self._ckpt_writer.chunk_bytes,
                 "layout": saving["layout"], "node_id": self.node_id,
                 "peer_node": peer_node if peer is not None else None, "write_s": write_s, "copied": copied}
 

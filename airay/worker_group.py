@@ -170,13 +170,14 @@ class WorkerGroup:
             return {}
         return {node: nodes[(i + 1) % len(nodes)] for i, node in enumerate(nodes)}
 
-    def commit_memory(self, step: int, manifest_json: str, timeout_s: float = 60.0) -> None:
+    def commit_memory(self, step: int, manifest_json: str, timeout_s: float = 60.0) -> list[dict]:
         """Record a committed step's manifest on every node (a node that fails to is skipped:
-        whether its copies are usable is decided when a load needs them)."""
+        whether its copies are usable is decided when a load needs them); returns the memory
+        figures of each store that did (node_memory's, read as it committed)."""
         stores = self._live_stores()
         manifest = ray.put(manifest_json)  # one copy for every node (it lists every rank's files)
-        refs = [s.commit.remote(step, manifest) for s in stores.values()]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done, _ = self.each_result([s.commit.remote(step, manifest) for s in stores.values()], list(stores), timeout_s)
+        return list(done.values())
 
     def prune_memory(self, keep: list[int], also_drop: list[int] = (), timeout_s: float = 60.0) -> None:
         keep = [k for k in keep if k not in also_drop]

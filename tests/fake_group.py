@@ -307,6 +307,8 @@ class FakeGroup:
 
     def commit_memory(self, step, manifest_json, timeout_s=60.0):
         self.memory[step] = Manifest.from_json(manifest_json)
+        self.calls.append(("commit_memory", step))
+        return self.node_memory()
 
     def prune_memory(self, keep, also_drop=(), timeout_s=60.0):
         self.calls.append(("prune_memory", sorted(keep)))

@@ -373,3 +373,25 @@ def test_a_checkpoint_that_cannot_be_resharded_ends_the_run_at_the_load_naming_w
     assert result.status == "failed" and result.restarts == 1
     assert "cannot be loaded at world size" in result.error and "round_robin_gradients" in result.error
     assert result.traceback is None and events(ctl, "checkpoint_loaded") == []
+
+
+@pytest.mark.parametrize("max_age_s", [30.0, -1.0], ids=["recent", "stale"])
+def test_a_saves_budget_comes_from_the_figures_the_stores_sent_with_the_last_commit(tmp_path, monkeypatch, max_age_s):
+    # A save's plan asked every node for its memory figures, in the save's held time; the stores
+    # now send them with each commit, and the next save uses those while they are recent.
+    import airay.checkpoint.manager as manager
+
+    monkeypatch.setattr(manager, "FIGURES_MAX_AGE_S", max_age_s)
+    figures = {f"node{i}": {"host": f"h{i}", "mem_total": 10**6, "mem_available": 10**6, "shm_total": 10**9,
+                            "shm_free": 10**9, "tier_bytes": 0} for i in range(2)}
+    asked = []
+    monkeypatch.setattr(FakeGroup, "node_memory", lambda self, nodes=None, timeout_s=10.0:
+                        asked.append(nodes) or [dict(f, node_id=n) for n, f in figures.items()])
+    ctl, factory = controller(tmp_path)
+    result = ctl.run()
+    saves = [e for e in events(ctl, "checkpoint_saved") if e["tier"] == "memory"]
+    commits = [c for c in factory.made[0].calls if c[0] == "commit_memory"]
+    assert result.status == "finished" and len(commits) == len(saves) >= 3
+    # The fake's commit reads the figures as a store's does (once per commit); the start checks once.
+    expected = 1 + len(commits) + (len(saves) if max_age_s < 0 else 0)
+    assert len(asked) == expected, (len(asked), len(saves))

@@ -97,8 +97,10 @@ class NodeStore:
         os.replace(part, self.tier.step_dir(step) / name)
         return True
 
-    def commit(self, step: int, manifest_json: str) -> None:
+    def commit(self, step: int, manifest_json: str) -> dict:
+        """Record a committed step's manifest here; returns this node's memory figures after it."""
         self.tier.commit(step, manifest_json)
+        return self.memory()
 
     def catalog(self) -> dict[int, dict]:
         """{step: {"manifest": whether it is committed here, "files": {name: size}}} of every step

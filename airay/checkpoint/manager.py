@@ -27,6 +27,11 @@ from airay.health import RankOutcome
 SAVE_BASE_TIMEOUT_S = 300.0
 
 
+# How long the memory figures the stores send with a commit serve the next save's budget (one
+# call to every node fewer in each save's held time); older ones are asked for again.
+FIGURES_MAX_AGE_S = 30.0
+
+
 @dataclass
 class PendingSave:
     """A save the driver follows from the ranks' staging to its last commit."""
@@ -96,6 +101,7 @@ class Checkpointer:
         self.model_parallel = model_parallel  # ranks per replica: each saves its slice's files (Manifest.slice)
         self.budget_fraction, self.budget_bytes = budget_fraction, budget_bytes
         self.budgets: dict[str, int] = {}  # each node's memory-tier budget, as last checked
+        self._figures: tuple[float, list[dict]] | None = None  # (when, every store's figures), newest
         self.host_scale: dict[str, float] = {}  # budget factor per host, halved by each OOM kill there
         self.node_hosts: dict[str, str] = {}  # node id -> its host, as its store said
         self.last_manifest: Manifest | None = None  # the last committed save's: sizes the next one
@@ -174,10 +180,22 @@ class Checkpointer:
 
     # ---- the memory tier's budget (airay.checkpoint.budget) ------------------------------------
 
-    def check_budget(self, group, nodes: list[str] | None = None) -> dict[str, int]:
-        """Each node's budget from its memory figures now (at start and before each save); the
-        first check is recorded (memory_budget)."""
-        figures = [NodeMemory(**f) for f in group.node_memory(nodes)]
+    def check_budget(self, group, nodes: list[str] | None = None, recent: bool = False) -> dict[str, int]:
+        """Each node's budget from its memory figures now (at start, after a resize or an OOM
+        kill); the first check is recorded (memory_budget). `recent` (a save's plan): the figures
+        the stores sent with the last commit, when they are under FIGURES_MAX_AGE_S old and cover
+        the world, instead of one more call to every node in the save's held time. A budget
+        depends on /dev/shm's room (free plus this job's tiers, read at one instant), which this
+        job's own writes and prunes since then do not change."""
+        now, cached = time.time(), self._figures
+        if recent and cached is not None and now - cached[0] <= FIGURES_MAX_AGE_S \
+                and {m.node_id for m in group.active} <= {f["node_id"] for f in cached[1]}:
+            raw = cached[1]
+        else:
+            raw = group.node_memory(nodes)
+            if nodes is None and raw:
+                self._figures = (now, raw)
+        figures = [NodeMemory(**f) for f in raw]
         self.node_hosts.update({f.node_id: f.host for f in figures})
         budgets = node_budgets(figures, self.budget_fraction, self.budget_bytes, self.host_scale)
         if not self.budgets and figures:
@@ -191,7 +209,7 @@ class Checkpointer:
 
     def _plan(self, group, step: int) -> SavePlan:
         """What this save gives up to keep every node's tier within its budget."""
-        budgets = self.check_budget(group)
+        budgets = self.check_budget(group, recent=True)
         if not budgets:
             return SavePlan()
         own: dict[str, int] = {}
@@ -288,7 +306,9 @@ class Checkpointer:
             for node in save.holders[f.rank]:
                 held[node] = held.get(node, 0) + f.size
         self.step_bytes[save.step] = held
-        self._group.commit_memory(save.step, save.manifest.to_json())
+        figures = self._group.commit_memory(save.step, save.manifest.to_json())
+        if figures:  # each store's memory figures as it committed: the next save's budget
+            self._figures = (time.time(), figures)
         save.memory_ts = time.time()
         self.memory_steps = [s for s in self.memory_steps if s != save.step] + [save.step]
         held = save.blocking_s + save.previous_commit_wait_s + self.step_wait.get(save.step, 0.0)

@@ -514,6 +514,14 @@ def render_checkpoint(ck: dict) -> list[str]:
         lines += [f"ZeRO-3 build: a rank's peak RSS while building its model (under zero.Init), over the model's fp32 "
                   f"bytes, worst: **{ck['zero3_build_model_vs_bytes']:.2f}** (target ≤ 0.5).", ""]
     lines.append("Held per save is blocking_s + previous_commit_wait_s + the next step's checkpoint_wait_s (`held_s`).")
+    parts = [r for r in ck["sizes"] if "held_parts" in r]
+    if parts:
+        lines += ["", "Held per save by part (medians, s): the save call on every rank (blocking_s), the wait for the "
+                      "previous save's commit (previous_commit_wait_s), the next optimizer step's wait for the writes "
+                      "that read live tensors (checkpoint_wait_s):", "",
+                  "| ZeRO | d_model | blocking_s | previous_commit_wait_s | checkpoint_wait_s |", "|" + " --- |" * 5]
+        lines += [f"| {r['stage']} | {r['d_model']} | " + " | ".join(f"{r['held_parts'][k]:.3f}" for k in
+                  ("blocking_s", "previous_commit_wait_s", "checkpoint_wait_s")) + " |" for r in parts]
     return lines
 
 
@@ -717,35 +725,57 @@ def readme_recovery(results: dict) -> list[str]:
 def readme_checkpoint(results: dict) -> list[str]:
     s = results["checkpoint"]
     ck, mib = s["result"], 2**20
-    rows = sorted(ck["sizes"], key=lambda r: r["parameters"])
-    small, large = rows[0], rows[-1]
+    all_rows = sorted(ck["sizes"], key=lambda r: (r.get("stage", 2), r["parameters"]))
+    stages = sorted({r.get("stage", 2) for r in all_rows})
+    new = "loss_rel_diff" in all_rows[0]
 
     def size(r: dict) -> str:
         return f"{r['parameters'] / 1e6:.1f}M"
 
-    gbps = [r["commit_gb_per_s"] for r in rows]
-    rss = [r["worker_rss_vs_footprint"] for r in rows if r["worker_rss_vs_footprint"] is not None] or [float("nan")]
-    return [f"{_ran(s)}: the tiny GPT at d_model {_and([str(r['d_model']) for r in rows])}, 8 layers "
-            f"({_and([size(r) for r in rows])} parameters); {ck['workers']} workers on one-CPU nodes of a local "
-            "cluster, ZeRO-2, memory saves every 2 steps, durable every 4, a worker killed at step 7 and regrown; "
-            "no sleep, every step is CPU work. Times in seconds.", "",
-            "| d_model | checkpoint | driver-node peak RSS | worker peak / footprint | held per save | DeepSpeed "
-            "sync save | commit to memory | peer copy | reshard reload | recovery_s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-            *[f"| {r['d_model']} | {r['bytes'] / mib:.0f} MiB | {r['driver_node_peak_rss'] / mib:.0f} MiB | "
-              f"{_ratio(r['worker_rss_vs_footprint'])} | {r['held_median_s']:.3f} | {r['sync_save_s']:.3f} | "
-              f"{r['commit_median_s']:.2f} | {r.get('copy_median_s') or 0:.2f} | {r['reshard_load_median_s']:.2f} | "
-              f"{r['recovery_s']:.2f} |" for r in rows], "",
-            f"Driver-node peak RSS, smallest size to largest: x{ck['driver_node_rss_growth']:.2f} (target ≤ 1.5: "
-            f"{_met(ck['driver_node_rss_growth'] <= 1.5)}). Held per save (`held_s`: the save call, the wait for "
-            "the previous save, the next step's wait) / DeepSpeed's synchronous save of the same state: "
-            f"{large['held_vs_sync']:.3f} at {size(large)}, {small['held_vs_sync']:.3f} at {size(small)} "
-            f"(target ≤ 0.10: {_met_at(rows, 'held_vs_sync', lambda v: v <= 0.10, size)}). A worker's peak RSS / "
-            f"its footprint before the first save: {min(rss):.2f}-{max(rss):.2f} (target ≤ 1.5: "
-            f"{_met_at(rows, 'worker_rss_vs_footprint', lambda v: v <= 1.5, size)}). Commit to memory, aggregated: "
-            f"{min(gbps):.2f}-{max(gbps):.2f} GB/s (target ≥ 1: {_met_at(rows, 'commit_gb_per_s', lambda v: v >= 1, size)}). "
-            f"Recovery at {size(large)}: {large['recovery_s']:.1f} s (target < 10 s: {_met(large['recovery_s'] < 10)}), "
-            f"of which the resharded reload {large['reshard_load_median_s']:.1f} s."]
+    sizes = sorted({r["d_model"]: r for r in all_rows}.values(), key=lambda r: r["parameters"])
+    head = ("| ZeRO | d_model | checkpoint | driver-node peak RSS | worker peak / footprint | held per save | DeepSpeed "
+            "sync save | commit to memory | peer copy | reshard reload | recovery_s |")
+    extra = " read / needed | loss vs fault-free |" if new else ""
+    lines = [f"{_ran(s)}: the tiny GPT at d_model {_and([str(r['d_model']) for r in sizes])}, 8 layers "
+             f"({_and([size(r) for r in sizes])} parameters); {ck['workers']} workers on one-CPU nodes of a local "
+             f"cluster, ZeRO-{' and ZeRO-'.join(map(str, stages))}, memory saves every 2 steps, durable every 4, a "
+             "worker killed at step 7 and regrown" + (", against the same job without the fault" if new else "")
+             + "; no sleep, every step is CPU work. Times in seconds.", "",
+             head + extra, "|" + " --- |" * (11 + (2 if new else 0)),
+             *[f"| {r.get('stage', 2)} | {r['d_model']} | {r['bytes'] / mib:.0f} MiB | "
+               f"{r['driver_node_peak_rss'] / mib:.0f} MiB | {_ratio(r['worker_rss_vs_footprint'])} | "
+               f"{r['held_median_s']:.3f} | {r['sync_save_s']:.3f} | {r['commit_median_s']:.2f} | "
+               f"{r.get('copy_median_s') or 0:.2f} | {r['reshard_load_median_s']:.2f} | {r['recovery_s']:.2f} |"
+               + (f" {r['read_vs_needed']:.2f} | {r['loss_rel_diff']:.1e} |" if new else "") for r in all_rows], ""]
+    for stage in stages:
+        rows = [r for r in all_rows if r.get("stage", 2) == stage]
+        small, large = rows[0], rows[-1]
+        t = ck.get(f"zero{stage}", ck)
+        gbps = [r["commit_gb_per_s"] for r in rows]
+        rss = [r["worker_rss_vs_footprint"] for r in rows if r["worker_rss_vs_footprint"] is not None] or [float("nan")]
+        text = (f"ZeRO-{stage}: driver-node peak RSS, smallest size to largest: x{t['driver_node_rss_growth']:.2f} "
+                f"(target ≤ 1.5: {_met(t['driver_node_rss_growth'] <= 1.5)}). Held per save (`held_s`: the save call, "
+                "the wait for the previous save, the next step's wait) / DeepSpeed's synchronous save of the same "
+                f"state: {large['held_vs_sync']:.3f} at {size(large)}, {small['held_vs_sync']:.3f} at {size(small)} "
+                f"(target ≤ 0.10: {_met_at(rows, 'held_vs_sync', lambda v: v <= 0.10, size)}). A worker's peak RSS / "
+                f"its footprint before the first save: {min(rss):.2f}-{max(rss):.2f} (target ≤ 1.5: "
+                f"{_met_at(rows, 'worker_rss_vs_footprint', lambda v: v <= 1.5, size)}). Commit to memory, "
+                f"aggregated: {min(gbps):.2f}-{max(gbps):.2f} GB/s (target ≥ 1: "
+                f"{_met_at(rows, 'commit_gb_per_s', lambda v: v >= 1, size)}). Recovery at {size(large)}: "
+                f"{large['recovery_s']:.1f} s (target < 10 s: {_met(large['recovery_s'] < 10)}), of which the "
+                f"resharded reload {large['reshard_load_median_s']:.1f} s.")
+        if new:
+            text += (f" Loss after the resharded reloads, worst relative difference from the run without the fault: "
+                     f"{t['worst_loss_rel_diff']:.1e} (target < 1e-5: {_met(t['worst_loss_rel_diff'] < 1e-5)}). Bytes "
+                     f"a resharding rank read / the bytes its reshard used, worst rank: "
+                     f"{_met_at(rows, 'read_vs_needed', lambda v: v <= 1.2, size).replace('met at every size', 'met')} "
+                     f"(target ≤ 1.2; worst {t['worst_read_vs_needed']:.2f}).")
+        lines += [text, ""]
+    if "zero3_build_model_vs_bytes" in ck:
+        lines.append(f"ZeRO-3 build: a rank's peak RSS while it builds its model (under zero.Init) / the model's fp32 "
+                     f"bytes, worst size: {ck['zero3_build_model_vs_bytes']:.2f} (target ≤ 0.5: "
+                     f"{_met(ck['zero3_build_model_vs_bytes'] <= 0.5)}).")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def readme_overhead(results: dict) -> list[str]:

@@ -36,8 +36,11 @@ def test_suite_runner_writes_benchmarks_md_reduced(tmp_path):
     assert abs(float(row["airay"][7]) - float(row["Ray Train"][7])) < 1e-4
     # Checkpoint section: a row per size, every cell measured (at this 7 MiB size a save's fixed
     # costs dominate; the full sweep compares the held time with DeepSpeed's synchronous save).
-    section = text.split("## Checkpoint:")[1].split("\n## ")[0]
+    section, by_part = text.split("## Checkpoint:")[1].split("\n## ")[0].split("Held per save by part")
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    # The held time by part: the save call, the previous commit's wait, the next step's wait.
+    parts_rows = [line.strip("| ").split(" | ") for line in by_part.splitlines() if line.startswith("| 3 |")]
+    assert len(parts_rows) == 1 and float(parts_rows[0][2]) > 0 and all(float(c) >= 0 for c in parts_rows[0][3:])
     assert [(r[0], r[1]) for r in rows] == [("| 3", "64")]  # ZeRO-3, d_model 64
     for r in rows:
         # The worker-RSS-to-footprint cell may be "-": a run this short can save before its

@@ -13,15 +13,6 @@ from airay.events import read_jsonl
 from airay.local_cluster import LocalCluster
 
 
-def pytest_collection_modifyitems(config, items):
-    """Every test that starts a Ray cluster runs on one pytest-xdist worker, one after another
-    (`--dist loadgroup`, pyproject's addopts): two clusters at once would share this machine's
-    ports, /dev/shm and cores. The other tests run beside them on the other worker."""
-    for item in items:
-        if item.get_closest_marker("cluster"):
-            item.add_marker(pytest.mark.xdist_group("ray-cluster"))
-
-
 def live_airay_actors() -> list[str]:
     return [a["ActorClassName"] for a in ray.state.actors().values()
             if a["State"] != "DEAD" and a["ActorClassName"] in ("TrainWorker", "Committer", "MemoryReplica")]

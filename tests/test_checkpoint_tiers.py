@@ -142,7 +142,7 @@ def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tm
         assert durable_saves[10]["retried_ranks"] in ([], [1]) and len(durable_saves[10]["upload_windows"]) == 3
         assert all(e["path"].startswith("s3://") for e in durable_saves.values())
         manifest = json.loads(Storage(ckpt["path"]).read_bytes("step_00000010/manifest.json"))
-        assert sorted({rank for _, _, rank, _chunks in manifest["files"].values()}) == [0, 1, 2]
+        assert sorted({entry[2] for entry in manifest["files"].values()}) == [0, 1, 2]  # [size, crc, rank, ...]
         # The kill at step 17 lost two steps: step 15 came from memory, not step 10 from S3.
         (loaded,) = events(run, "checkpoint_loaded")
         assert (loaded["step"], loaded["tier"], loaded["saved_world_size"], loaded["world_size"]) == (15, "memory", 3, 2)

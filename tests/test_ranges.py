@@ -53,7 +53,7 @@ def test_a_run_of_needed_chunks_is_one_read():
 
     assert runs([0, 1, 2, 5, 6, 9], 2) == [(0, 1), (2, 2), (5, 6), (9, 9)]
     copy = ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), "/dev/null", False)
-    copy._write = lambda offset, data: None
+    copy._write = lambda pieces: None
     assert copy.ensure([1, 2, 3, 7], [("peer:n1", peer)]) == [] and sorted(copy.verified) == [1, 2, 3, 7]
     assert reads == [(CHUNK, 3 * CHUNK), (7 * CHUNK, CHUNK)] and copy.bytes_read == 4 * CHUNK
 

@@ -123,8 +123,15 @@ class ChunkedCopy:
                                 "reason": f"chunk {first}: {type(exc).__name__}: {exc}"})
                     continue
                 self.bytes_read += len(data)
+                view, good = memoryview(data), []
                 for i in range(first, last + 1):
-                    bad += self._verify(i, data[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo], label)
+                    met = self._verify(i, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo], label)
+                    bad += met
+                    good += [] if met else [i]
+                if label != "local":  # into the sparse copy: the whole run at once, else its good chunks
+                    pieces = [(lo, view)] if len(good) == last - first + 1 else \
+                        [(i * self.chunk_bytes, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo]) for i in good]
+                    self._write(pieces)
         missing = sorted(self.wanted - self.verified)
         if missing and self.whole_local:  # the node's copy is bad here: every chunk from elsewhere
             self.whole_local, self.path, self.verified, self.served = False, self.path + ".sparse", set(), {}
@@ -134,11 +141,9 @@ class ChunkedCopy:
         return bad
 
     def _verify(self, i: int, data: bytes, label: str) -> list[dict]:
-        """Keep chunk i's bytes from copy `label` if they are the manifest's; else the bad copy."""
+        """Count chunk i verified if its bytes from copy `label` are the manifest's; else the bad copy."""
         want = min(self.chunk_bytes, self.size - i * self.chunk_bytes)
         if len(data) == want and crc32(data) == self.crcs[i]:
-            if label != "local":
-                self._write(i * self.chunk_bytes, data)
             self.verified.add(i)
             kind = label.split(":")[0]
             self.served[kind] = self.served.get(kind, 0) + 1
@@ -152,14 +157,18 @@ class ChunkedCopy:
             f.seek(offset)
             return f.read(size)
 
-    def _write(self, offset: int, data: bytes) -> None:
+    def _write(self, pieces: list[tuple[int, bytes]]) -> None:
+        """Write (offset, bytes) pieces into the sparse copy, opened once."""
+        if not pieces:
+            return
         if not os.path.exists(self.path):
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "wb") as f:
                 f.truncate(self.size)  # holes: no bytes stored, zeros if read
         with open(self.path, "r+b") as f:
-            f.seek(offset)
-            f.write(data)
+            for offset, data in pieces:
+                f.seek(offset)
+                f.write(data)
 
 
 def load_skeleton(copy: "ChunkedCopy", fetchers: list):

@@ -395,3 +395,32 @@ def test_a_saves_budget_comes_from_the_figures_the_stores_sent_with_the_last_com
     # The fake's commit reads the figures as a store's does (once per commit); the start checks once.
     expected = 1 + len(commits) + (len(saves) if max_age_s < 0 else 0)
     assert len(asked) == expected, (len(asked), len(saves))
+
+
+def test_a_step_saved_again_after_a_rollback_never_writes_under_an_upload_of_its_first_save(tmp_path):
+    # Seen in the demo: a node lost as step 45 was committed; the world of 3 reloaded step 40,
+    # replayed 41-45 and saved 45 again into the same step directories while the first save's
+    # upload read them, which then failed on a file the new world had not written.
+    ctl, factory = controller(tmp_path)
+    group = factory()
+    group.reserve(2, 1.0)
+    group.poll_pending()
+    group.form(2, None)
+    ck = ctl.ckpt
+    saves = []  # (step saved, the steps whose uploads were running or waiting as the ranks wrote it)
+    real_save = group.save
+    group.save = lambda step, *a, **k: (saves.append((step, sorted(s.step for s in ck._uploads.items()))),
+                                        real_save(step, *a, **k))[1]
+    ck.save(group, 5)
+    ck.save(group, 10)  # 5 is committed and its upload runs (FakeGroup's uploads end when collected)
+    ck.wait(uploads=False)  # 10 is committed (a recovery's candidates() does this): its upload waits
+    ck.save(group, 10)  # a rollback to 5 replayed 6-10: 10's first upload, still waiting, gives way
+    ck.wait(uploads=False)
+    ck.save(group, 5)  # a rollback to 0 replayed 1-5: 5's first upload, running, is waited for
+    ck.wait()
+    assert all(step not in uploading for step, uploading in saves), saves
+    assert saves == [(5, []), (10, [5]), (10, [5]), (5, [10])]  # the replayed 10's upload starts after 5's ends
+    (skipped,) = events(ctl, "checkpoint_upload_skipped")
+    assert skipped["step"] == 10 and "saved again" in skipped["reason"]
+    durable = [e["step"] for e in events(ctl, "checkpoint_saved") if e["tier"] == "durable"]
+    assert durable == [5, 10, 5] and not events(ctl, "checkpoint_failed")

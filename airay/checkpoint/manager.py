@@ -137,6 +137,7 @@ class Checkpointer:
         # The previous save's files must be written and copied first: a rank stages one save at a
         # time. An upload still running goes on beside this save.
         self._finish_persist()
+        self._yield_step(step, durable)
         t0 = time.time()
         plan = self._plan(group, step)
         if plan.skip and durable and self._uploads.items():
@@ -177,6 +178,22 @@ class Checkpointer:
                                      group.persist(step, plan.no_peer), list(group.active))
         self.last_saved_step, self.last_saved_durable = step, durable
         return outcomes
+
+    def _yield_step(self, step: int, durable: bool) -> None:
+        """A rollback replays steps: saving `step` again writes the files its first save wrote, in
+        the same step directories, under the new world's rank numbers, while that save's upload
+        may still read them. An upload of it still waiting is dropped when this save is durable
+        too (this save's upload replaces it); one running (or waiting, before a save that is not
+        durable) is waited for."""
+        waiting = self._uploads.waiting
+        if durable and waiting is not None and waiting.step == step:
+            self._uploads.waiting = None
+            self.rec.event("checkpoint_upload_skipped", step=step, superseded_by=step,
+                           uploading_step=self._uploads.running.step,
+                           reason="the step is saved again (a rollback replayed it) while its first save waited "
+                                  "for its upload: the new save's upload replaces it")
+        while any(s.step == step for s in self._uploads.items()):
+            self._finish_upload()
 
     # ---- the memory tier's budget (airay.checkpoint.budget) ------------------------------------
 

@@ -172,6 +172,9 @@ def airay_run(d_model: int, work: Path, stage: int = 2, kill: bool = True) -> di
         "commit_gb_per_s": statistics.median(e["bytes"] / c / 1e9 for e, c in zip(saves, commit)),
         "reshard_load_s": [e["load_s"] for e in loaded], "reshard_copies": [e["copies"] for e in loaded],
         "recovery_s": shrink["recovery_s"], "world_sizes": result.world_sizes, "losses": losses,
+        # Where the recovery's seconds went (the controller's parts: drain, the wait for the save
+        # in flight, re-forming the world, the reload, and the workers' own timings).
+        "recovery_parts": {k: v for k, v in shrink.items() if k.endswith("_s") and k != "recovery_s"},
         # The worst rank of any resharded load: bytes it read over the bytes its reshard used.
         "read_vs_needed": max(e["read_vs_needed"] for e in loaded),
         # Peak RSS of the ranks of the regrown world of 4 (warm processes: the first world's builds
@@ -299,7 +302,8 @@ def measure(d_model: int, stage: int, med) -> dict:
           + f"); commit to memory {row['commit_median_s']:.2f} s "
           f"({row['commit_gb_per_s']:.2f} GB/s), peer copy {row['copy_median_s'] or 0:.2f} s; reshard reload "
           f"{row['reshard_load_median_s']:.2f} s, bytes read / needed {row['read_vs_needed']:.2f}; recovery_s "
-          f"{row['recovery_s']:.2f}; worlds {row['world_sizes']}; loss vs fault-free, worst relative difference "
+          f"{row['recovery_s']:.2f} (" + ", ".join(f"{k} {v:.2f}" for k, v in row.get("recovery_parts", {}).items())
+          + f"); worlds {row['world_sizes']}; loss vs fault-free, worst relative difference "
           f"{row['loss_rel_diff']:.1e}; build peak RSS / model bytes: model {row['build_model_vs_bytes']:.2f}, "
           f"engine {row['build_engine_vs_bytes']:.2f}", flush=True)
     return row

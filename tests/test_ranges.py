@@ -35,13 +35,12 @@ def test_crc_file_keeps_a_crc_per_chunk_however_the_writes_fall():
         assert f.chunk_crcs() == chunk_crcs(data, chunk) and (f.size, f.crc) == (len(data), zlib.crc32(data))
 
 
-def test_a_file_has_at_least_4096_chunks_powers_of_two_between_4_kib_and_chunk_mib():
+def test_a_file_has_at_least_4096_chunks_powers_of_two_between_64_kib_and_chunk_mib():
     assert chunk_size_for(300 << 20, 1 << 20) == 64 << 10  # a 300 MiB partition: 4800 chunks of 64 KiB
     assert chunk_size_for(2 << 30, 1 << 20) == 512 << 10  # 2 GiB: 4096 of 512 KiB
     assert chunk_size_for(17 << 30, 1 << 20) == 1 << 20  # 17 GB (70B on 64 ranks): chunk_mib's, 17408 of them
-    assert chunk_size_for(19 << 20, 1 << 20) == 4 << 10  # 19 MiB (6.5M parameters' ZeRO-3 partition): 4 KiB
-    assert chunk_size_for(1000, 1 << 20) == chunk_size_for(0, 1 << 20) == 4 << 10
-    assert chunk_size_for(26 << 20, 1024) == 1024  # chunk_mib below the smallest: chunk_mib's
+    assert chunk_size_for(1000, 1 << 20) == chunk_size_for(0, 1 << 20) == 64 << 10
+    assert chunk_size_for(26 << 20, 4096) == 4096  # chunk_mib below the smallest: chunk_mib's
 
 
 def test_a_run_of_needed_chunks_is_one_read():

@@ -86,6 +86,11 @@ class UploadQueue:
     def items(self) -> list:
         return [i for i in (self.running, self.waiting) if i is not None]
 
+    def drop_waiting(self):
+        """The waiting item, taken out of the queue (None if there is none)."""
+        dropped, self.waiting = self.waiting, None
+        return dropped
+
 
 class Checkpointer:
     """Owns the checkpoint tiers of a run: collective save, background commits, what to load.
@@ -187,7 +192,7 @@ class Checkpointer:
         durable) is waited for."""
         waiting = self._uploads.waiting
         if durable and waiting is not None and waiting.step == step:
-            self._uploads.waiting = None
+            self._uploads.drop_waiting()
             self.rec.event("checkpoint_upload_skipped", step=step, superseded_by=step,
                            uploading_step=self._uploads.running.step,
                            reason="the step is saved again (a rollback replayed it) while its first save waited "

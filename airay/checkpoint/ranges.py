@@ -127,7 +127,8 @@ class ChunkedCopy:
                 for i in range(first, last + 1):
                     met = self._verify(i, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo], label)
                     bad += met
-                    good += [] if met else [i]
+                    if not met:
+                        good.append(i)
                 if label != "local":  # into the sparse copy: the whole run at once, else its good chunks
                     pieces = [(lo, view)] if len(good) == last - first + 1 else \
                         [(i * self.chunk_bytes, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo]) for i in good]

@@ -374,6 +374,9 @@ class HealthSpec(_Spec):
         2.0, gt=1, description="a rank whose local step time exceeds the other ranks' median by this factor "
         "(and by straggler_min_excess_s) is reported as a straggler")
     straggler_min_excess_s: float = Field(0.1, ge=0)
+    straggler_window_steps: int = Field(
+        5, ge=1, description="a rank is judged on its median local step time over its last this many steps in "
+        "the world: one slow step (a GC pause, a checkpoint's background writes) is not a straggler")
     max_checkpoint_failures: int = Field(
         3, ge=1, description="consecutive checkpoints that fail (after their retries) before the run ends "
         "failed: a run that cannot checkpoint would lose everything it trains from then on")

@@ -27,8 +27,8 @@ from airay.checkpoint.tiers import memory_base
 from airay.config import JobConfig
 from airay.events import RunRecorder, read_jsonl
 from airay.data.pipeline import DataLog, Feeder, Stream
-from airay.health import DATA_ERRORS, Failure, RankOutcome, RoundVerdict, classify_round, find_stragglers, \
-    merge_pipelined, node_mates, summarize_failures
+from airay.health import DATA_ERRORS, Failure, LocalTimeWindow, RankOutcome, RoundVerdict, classify_round, \
+    find_stragglers, merge_pipelined, node_mates, summarize_failures
 from airay.local_cluster import LocalCluster
 from airay.observe import mlflow_tracking
 from airay.observe.console import Progress
@@ -150,6 +150,7 @@ class Controller:
         self.user_retries = 0
         self.internal_retries = 0
         self.stragglers: set[int] = set()  # ranks reported as stragglers in the current world
+        self.local_times = LocalTimeWindow(config.health.straggler_window_steps)
         self.pending_resize: _PendingResize | None = None
         self.verdict: RoundVerdict | None = None  # the failure being recovered from
         self.t_detect = 0.0  # when it was first noticed
@@ -732,6 +733,7 @@ class Controller:
             self.feeder.seek(ckpt.step)  # a newer candidate had no good copy of some file
         self.world_sizes.append(size)
         self.stragglers = set()
+        self.local_times = LocalTimeWindow(self.cfg.health.straggler_window_steps)
         self.ckpt.last_saved_step = ckpt.step if ckpt else None
         self.ckpt.last_saved_durable = bool(ckpt and ckpt.tier == "durable")
         if ckpt is not None and ckpt.tier == "memory":  # kept by the memory tier's retention from now on
@@ -827,9 +829,12 @@ class Controller:
             time.sleep(wait)
 
     def _check_stragglers(self, start: int, values: list[list[dict]]) -> None:
-        """Report (once per rank and world) a rank whose own work per step is much slower."""
+        """Report (once per rank and world) a rank whose own work per step is much slower, judged
+        over the last health.straggler_window_steps steps."""
         h = self.cfg.health
-        local = [[v["local_s"] for v in per_rank] for per_rank in values]
+        local = self.local_times.add([[v["local_s"] for v in per_rank] for per_rank in values])
+        if local is None:
+            return
         new = [r for r in find_stragglers(local, h.straggler_factor, h.straggler_min_excess_s)
                if r not in self.stragglers]
         if not new:

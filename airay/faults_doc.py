@@ -80,8 +80,8 @@ MATRIX: dict[str, Row] = {
         "recovered"),
     "slow_worker": Row(
         "`slow_worker` (a rank sleeps `delay_s` per step for `steps` steps)",
-        "per-rank local step time (data + forward, before collectives) > `health.straggler_factor` x "
-        "the others' median (`straggler_detected`)",
+        "a rank's median local step time (data + forward, before collectives) over its last "
+        "`health.straggler_window_steps` steps > `health.straggler_factor` x the others' (`straggler_detected`)",
         "report it and train on (no restart)",
         "continued"),
     "bad_node": Row(

@@ -254,6 +254,29 @@ def find_stragglers(local_s: list[list[float]], factor: float, min_excess_s: flo
     return out
 
 
+class LocalTimeWindow:
+    """Each rank's local step times over its last `steps` steps in the current world.
+
+    A straggler is judged on its median over this window, never on one round alone: a round can be
+    a single step (a fault or a checkpoint splits rounds), and one slow step (a GC pause, a
+    checkpoint's background writes sharing the rank's cores) is noise, not a slow rank. Nothing is
+    judged until every rank has `steps` times. A new world starts a new window (ranks renumber).
+    """
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.times: list[list[float]] = []
+
+    def add(self, local_s: list[list[float]]) -> list[list[float]] | None:
+        """Add a round's times per rank; the full windows to judge, or None while any is short."""
+        if len(self.times) != len(local_s):
+            self.times = [[] for _ in local_s]
+        for kept, new in zip(self.times, local_s):
+            kept.extend(new)
+            del kept[:-self.steps]
+        return self.times if all(len(ts) == self.steps for ts in self.times) else None
+
+
 def median_without(ordered: list[float], value: float) -> float:
     """statistics.median of sorted `ordered` with one occurrence of `value` taken out, in
     O(log n) (which occurrence does not matter: they are equal). The same float as

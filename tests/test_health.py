@@ -1,8 +1,8 @@
 import random
 import statistics
 
-from airay.health import Failure, RankOutcome, classify_round, deadline, find_hung, find_stragglers, median_without, \
-    merge_pipelined, node_mates, position, summarize_failures
+from airay.health import Failure, LocalTimeWindow, RankOutcome, classify_round, deadline, find_hung, find_stragglers, \
+    median_without, merge_pipelined, node_mates, position, summarize_failures
 
 
 def test_all_ok():
@@ -206,3 +206,20 @@ def test_a_round_queued_behind_a_failed_one_adds_only_its_lost_ranks():
     assert [o.kind for o in merged] == ["errored", "died", "ok", "silent"]
     assert classify_round(merged).lost_ranks == (1, 3)
     assert merge_pipelined(failed, [None] * 4) == failed
+
+
+def test_a_straggler_is_judged_on_a_window_of_steps_not_on_one_slow_step():
+    # Seen in CI: rank 3's one step after the first checkpoint ran 0.70 s against 0.11 s, in a round
+    # of that single step (the next step began a fault's round), and was reported as a straggler.
+    window = LocalTimeWindow(steps=5)
+    fast = [0.1] * 5
+    assert window.add([fast, fast, fast, [0.1, 0.1]]) is None  # rank 3 has 2 of 5 steps: nothing judged
+    judged = window.add([[0.1]] * 3 + [[0.1, 0.1, 0.1]])
+    assert judged == [fast] * 4
+    judged = window.add([[0.1], [0.1], [0.1], [0.7]])  # a round of one step, slow on rank 3
+    assert judged[3] == [0.1, 0.1, 0.1, 0.1, 0.7]
+    assert find_stragglers(judged, factor=2.0, min_excess_s=0.3) == []
+    judged = window.add([[0.1] * 4, [0.1] * 4, [0.7] * 4, [0.1] * 4])  # rank 2 slow for 4 steps
+    assert judged[2] == [0.1, 0.7, 0.7, 0.7, 0.7] and judged[3] == [0.7, 0.1, 0.1, 0.1, 0.1]
+    assert find_stragglers(judged, factor=2.0, min_excess_s=0.3) == [2]
+    assert window.add([[0.1]] * 3) is None  # a world of 3: ranks renumbered, a new window

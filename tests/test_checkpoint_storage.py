@@ -67,6 +67,11 @@ def test_manifest_keeps_each_files_chunk_crcs_and_reads_one_written_without_them
     assert again.chunk_bytes == 128 and again.files["a.pt"] == FileEntry(300, 1, 0, [11, 12, 13])
     assert again.files["b.pt"] == FileEntry(100, 2, 1, [21], 64)  # a small file's own chunk size
     assert (again.chunk_bytes_of("a.pt"), again.chunk_bytes_of("b.pt")) == (128, 64)
+    # Today's writers keep the CRCs in a sidecar the manifest lists as a file: no CRC in the manifest.
+    m = Manifest.from_reports(4, 1, 3, JOB, [{"files": {"a.pt": [300, 1], "a.pt.crc32": [12, 7]},
+                                              "chunk_sizes": {"a.pt": 128}, "chunk_bytes": 1024, "layout": {}}], 1.0)
+    again = Manifest.from_json(m.to_json())
+    assert again.files == {"a.pt": FileEntry(300, 1, 0, [], 128), "a.pt.crc32": FileEntry(12, 7, 0)}
     # A manifest of an earlier airay (no chunk CRCs): whole files are read and verified.
     import json
 

@@ -35,11 +35,11 @@ def test_crc_file_keeps_a_crc_per_chunk_however_the_writes_fall():
         assert f.chunk_crcs() == chunk_crcs(data, chunk) and (f.size, f.crc) == (len(data), zlib.crc32(data))
 
 
-def test_a_files_chunks_are_about_256_powers_of_two_between_64_kib_and_chunk_mib():
-    assert chunk_size_for(26 << 20, 8 << 20) == 128 << 10  # a 26 MiB partition: 208 chunks of 128 KiB
-    assert chunk_size_for(300 << 20, 8 << 20) == 2 << 20
-    assert chunk_size_for(17 << 30, 8 << 20) == 8 << 20  # 17 GB (70B on 64 ranks): chunk_mib's, 2176 of them
-    assert chunk_size_for(1000, 8 << 20) == chunk_size_for(0, 8 << 20) == 64 << 10
+def test_a_file_has_at_least_4096_chunks_powers_of_two_between_64_kib_and_chunk_mib():
+    assert chunk_size_for(300 << 20, 1 << 20) == 64 << 10  # a 300 MiB partition: 4800 chunks of 64 KiB
+    assert chunk_size_for(2 << 30, 1 << 20) == 512 << 10  # 2 GiB: 4096 of 512 KiB
+    assert chunk_size_for(17 << 30, 1 << 20) == 1 << 20  # 17 GB (70B on 64 ranks): chunk_mib's, 17408 of them
+    assert chunk_size_for(1000, 1 << 20) == chunk_size_for(0, 1 << 20) == 64 << 10
     assert chunk_size_for(26 << 20, 4096) == 4096  # chunk_mib below the smallest: chunk_mib's
 
 
@@ -80,6 +80,37 @@ def test_a_chunked_copy_verifies_each_chunk_and_falls_back_to_the_next_copy(tmp_
     assert [b["copy"] for b in copy.ensure([1], [durable])] == ["local"]
     assert copy.path == str(local) + ".sparse" and sorted(copy.verified) == [0, 1]
     assert Path(copy.path).read_bytes()[:2 * CHUNK] == data[:2 * CHUNK]
+
+
+def test_a_files_chunk_crcs_come_from_its_verified_sidecar_or_an_earlier_manifest(tmp_path):
+    from airay.checkpoint.checksum import pack_crcs
+    from airay.checkpoint.layout import FileEntry, Manifest, step_name
+    from airay.checkpoint.loading import CheckpointUnavailable, Source, chunk_crcs as sidecar_crcs
+
+    data = random.Random(2).randbytes(5 * CHUNK + 3)
+    side = pack_crcs(chunk_crcs(data))
+    local, durable = tmp_path / "node" / step_name(7), tmp_path / "durable" / step_name(7)
+    local.mkdir(parents=True), durable.mkdir(parents=True)
+    (durable / "a.pt.crc32").write_bytes(side)
+    (local / "a.pt.crc32").write_bytes(side[:4] + bytes([side[4] ^ 1]) + side[5:])  # the node's copy is bad
+    source = Source(str(local), {}, str(tmp_path / "durable"))
+
+    def manifest(sidecar: bytes, inline=()) -> Manifest:
+        files = {"a.pt": FileEntry(len(data), zlib.crc32(data), 0, list(inline), CHUNK),
+                 "a.pt.crc32": FileEntry(len(sidecar), zlib.crc32(sidecar), 0)}
+        return Manifest(7, 1, 3, {}, files, chunk_bytes=CHUNK)
+
+    crcs, bad, read = sidecar_crcs(manifest(side), "a.pt", source)
+    assert crcs == chunk_crcs(data) and read == len(side) == 4 * 6
+    assert [b["copy"] for b in bad] == ["local"]  # the bad copy was met, the durable one replaced it
+    assert (local / "a.pt.crc32").read_bytes() == side
+    # A sidecar of the wrong length for its file (a writer bug, not a bad copy): refused by name.
+    m = manifest(side[:8])
+    (local / "a.pt.crc32").write_bytes(side[:8])
+    with pytest.raises(CheckpointUnavailable, match="a.pt.crc32 holds 2 chunk CRCs for a.pt"):
+        sidecar_crcs(m, "a.pt", source)
+    # An earlier airay's manifest held the CRCs itself: nothing is read.
+    assert sidecar_crcs(manifest(side, inline=[1, 2]), "a.pt", source) == ([1, 2], [], 0)
 
 
 def _new_rank(rank, world, stage, port, out, zero, results):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from airay.checkpoint import staging
+from airay.checkpoint.checksum import is_sidecar, unpack_crcs
 
 
 def test_stage_keeps_live_tensors_without_copying_and_clones_the_rest():
@@ -40,9 +41,14 @@ def test_writer_computes_each_files_crc_and_reraises_a_failed_write(tmp_path):
     writer.submit(str(tmp_path / "a.pt"), {"x": torch.arange(100)}, live=True)
     writer.wait_live()
     assert writer.wait() == 1
-    (path, (size, crc)), = writer.take_written().items()
-    data = (tmp_path / "a.pt").read_bytes()
-    assert (size, crc) == (len(data), zlib.crc32(data)) and torch.equal(torch.load(path)["x"], torch.arange(100))
+    written = writer.take_written()
+    path = str(tmp_path / "a.pt")
+    data, side = (tmp_path / "a.pt").read_bytes(), (tmp_path / "a.pt.crc32").read_bytes()
+    assert sorted(written) == [path, path + ".crc32"]  # the file and its CRC sidecar, each checked as a file
+    assert written[path] == (len(data), zlib.crc32(data)) and torch.equal(torch.load(path)["x"], torch.arange(100))
+    assert written[path + ".crc32"] == (len(side), zlib.crc32(side))
+    chunk = writer.take_chunks()[path]  # the sidecar: zlib's CRC-32 of every chunk, little-endian uint32s
+    assert unpack_crcs(side) == [zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)]
     writer.submit(str(tmp_path / "missing-dir" / "b.pt"), {}, live=False)
     with pytest.raises(FileNotFoundError):
         writer.wait()
@@ -111,7 +117,7 @@ def test_staged_save_writes_the_state_at_the_save_in_deepspeeds_layout(engine, t
     assert writer.take_wait() > 0.2
     _train_step(engine, 1)  # weights and optimizer state change after the files are written
     assert writer.wait() >= 2  # model states and the ZeRO optimizer partition
-    written = writer.take_written()
+    written = {p: v for p, v in writer.take_written().items() if not is_sidecar(p)}
     sync, staged = _files(tmp_path / "sync"), _files(tmp_path / "staged")
     assert set(staged) == set(sync) and {os.path.basename(p) for p in written} == {os.path.basename(n) for n in staged}
     for name, path in staged.items():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from airay.checkpoint import reshard
 from airay.checkpoint.actors import io_timeout_s
-from airay.checkpoint.checksum import crc32
+from airay.checkpoint.checksum import crc32, crc_sidecar, unpack_crcs
 from airay.checkpoint.layout import Manifest, files_to_load, step_name
 from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_mmap, load_skeleton, \
     slice_range, storage_range, tensors_in
@@ -246,11 +246,15 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         from airay.checkpoint.storage import Storage
 
         storage = Storage(source.durable)
+    sidecar_bytes = 0
     for name in names:
         f = manifest.files[name]
         local = Path(source.local_dir) / name
         whole = local.is_file() and local.stat().st_size == f.size
-        copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes_of(name), f.chunks,
+        crcs, met, n = chunk_crcs(manifest, name, source)
+        bad += met
+        sidecar_bytes += n
+        copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes_of(name), crcs,
                                    str(local if whole else Path(sparse_dir) / name), whole)
         fetchers[name] = [(f"peer:{node_id}", lambda off, n, store=store, name=name:
                            ray.get(store.read.remote(step, name, off, n), timeout=io_timeout_s(n)))
@@ -271,4 +275,22 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         raise CheckpointUnavailable(f"{exc} (step {step})", step, bad + exc.bad) from None
     needed = sum(hi - lo for ranges in wanted.values() for lo, hi in ranges)
     served = {n: max(c.served, key=c.served.get) if c.served else "local" for n, c in copies.items()}
-    return {n: c.path for n, c in copies.items()}, bad, sum(c.bytes_read for c in copies.values()), needed, served
+    return ({n: c.path for n, c in copies.items()}, bad, sidecar_bytes + sum(c.bytes_read for c in copies.values()),
+            needed, served)
+
+
+def chunk_crcs(manifest: Manifest, name: str, source: Source) -> tuple[list[int], list[dict], int]:
+    """The chunk CRCs of file `name`: from its CRC sidecar (checksum.crc_sidecar), fetched and
+    verified like any file, or the manifest's own list (an earlier airay's manifests held them).
+    Returns (CRCs, bad copies met, bytes read). Raises CheckpointUnavailable."""
+    f = manifest.files[name]
+    side = crc_sidecar(name)
+    if f.chunks or side not in manifest.files:
+        return f.chunks, [], 0
+    entry = manifest.files[side]
+    path, _, bad = fetch_verified(side, (entry.size, entry.crc32), source, manifest.step)
+    crcs = unpack_crcs(Path(path).read_bytes())
+    if len(crcs) != -(-f.size // manifest.chunk_bytes_of(name)):
+        raise CheckpointUnavailable(f"{side} holds {len(crcs)} chunk CRCs for {name} of {f.size} bytes in chunks of "
+                                    f"{manifest.chunk_bytes_of(name)} (step {manifest.step})", manifest.step, bad)
+    return crcs, bad, entry.size

@@ -2,9 +2,10 @@
 
 A rank of a new world needs a range of each overlapping old rank's optimizer partition (its fp32
 master slice and moments), not the whole file: at 70B parameters on 64 ranks, whole files would
-be about 26 GB read per rank. The writer records a CRC-32 per chunk of every file
-(staging.CrcFile, `checkpoint.chunk_mib`), so a reader fetches and verifies just the chunks it
-touches, into a sparse local copy (the rest are holes):
+be about 26 GB read per rank. The writer records a CRC-32 per chunk of every file in the file's
+CRC sidecar (staging.CrcFile, checksum.crc_sidecar, `checkpoint.chunk_mib`), so a reader fetches
+the sidecar, then fetches and verifies just the chunks it touches, into a sparse local copy (the
+rest are holes):
 
 1. the file's skeleton: its first and last chunks, which hold torch.save's pickle (the structure
    and every storage's place) and the zip directory (more of each end if they do not);

@@ -13,7 +13,8 @@ for them too. On a GPU the live tensors are copied to pinned host buffers on a s
 part of a larger storage (ZeRO's flat buffers) is rewrapped onto just that part, so its file holds
 its own elements and nothing is copied.
 
-Each file's size and CRC-32 are computed as it is written, for the manifest; the files are
+Each file's size and CRC-32, and a CRC-32 per chunk (written beside it: its CRC sidecar, itself
+listed with its size and CRC-32), are computed as it is written, for the manifest; the files are
 complete once `Writer.wait()` returns. `StagingEngine.load` reads through a `LoadPlan` when one is
 set (airay.checkpoint.loading): the right copy of each file, resharded for another world size.
 """
@@ -30,20 +31,22 @@ from concurrent.futures import wait as _wait_all
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from airay.checkpoint.checksum import crc32
+from airay.checkpoint.checksum import crc32, crc_sidecar, pack_crcs
 
 
-# A file's chunks: about this many (a resharded load reads whole chunks, so at most one chunk too
-# many at each end of each range it needs), each at least MIN_CHUNK (one read each) and at most
-# `checkpoint.chunk_mib` (a file of many GB has more chunks rather than larger ones).
-CHUNKS_PER_FILE = 256
+# A file's chunks: at least this many (a resharded load reads whole chunks, so up to one chunk too
+# many at each end of each piece it needs: under ZeRO-3, a piece of every parameter), each at least
+# MIN_CHUNK (fewer reads of a small file) and at most `checkpoint.chunk_mib`. Their CRCs are in the
+# file's CRC sidecar (checksum.crc_sidecar), not in the manifest: 4 bytes a chunk.
+CHUNKS_PER_FILE = 4096
 MIN_CHUNK = 64 << 10
 
 
 def chunk_size_for(nbytes: int, most: int) -> int:
-    """The chunk size of a file of about `nbytes`: the power of two that cuts it into about
-    CHUNKS_PER_FILE chunks, between MIN_CHUNK and `most`."""
-    return min(most, max(MIN_CHUNK, 1 << max(0, nbytes // CHUNKS_PER_FILE - 1).bit_length()))
+    """The chunk size of a file of about `nbytes`: the largest power of two that cuts it into at
+    least CHUNKS_PER_FILE chunks, between MIN_CHUNK and `most`."""
+    per = nbytes // CHUNKS_PER_FILE
+    return min(most, max(MIN_CHUNK, 1 << (per.bit_length() - 1) if per else 1))
 
 
 class CrcFile:
@@ -132,7 +135,7 @@ class Writer:
     """One background thread that lives as long as the worker process (engines come and go with
     world changes; pending files must not go with them) and writes queued state dicts in order."""
 
-    def __init__(self, chunk_bytes: int = 8 << 20):
+    def __init__(self, chunk_bytes: int = 1 << 20):
         self.chunk_bytes = chunk_bytes  # the largest chunk of the chunk CRCs (checkpoint.chunk_mib)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="airay-ckpt-writer")
         self._pending: list[Future] = []
@@ -140,7 +143,7 @@ class Writer:
         self._copies: list = []  # device-to-host copies of live tensors (CUDA events) not yet waited for
         self._wait_s = 0.0
         self._written: dict[str, tuple[int, int]] = {}  # path -> (size, crc32) since take_written
-        self._chunks: dict[str, tuple[int, list[int]]] = {}  # path -> (chunk size, its CRCs), since take_written
+        self._chunks: dict[str, int] = {}  # path -> its chunk size (the CRCs: its sidecar), since take_written
         self._lock = threading.Lock()
 
     def submit(self, path: str, state, live: bool, copied=None, nbytes: int = 0) -> None:
@@ -164,9 +167,13 @@ class Writer:
                 torch.save(state, f)
             finally:
                 f.close()
+            crcs = pack_crcs(f.chunk_crcs())  # beside the file: the manifest lists it as a file too
+            with open(crc_sidecar(path), "wb") as side:
+                side.write(crcs)
             with self._lock:
                 self._written[path] = (f.size, f.crc)
-                self._chunks[path] = (chunk_bytes, f.chunk_crcs())
+                self._written[crc_sidecar(path)] = (len(crcs), crc32(crcs))
+                self._chunks[path] = chunk_bytes
 
         with self._lock:
             future = self._pool.submit(write)
@@ -227,8 +234,8 @@ class Writer:
             written, self._written = self._written, {}
         return written
 
-    def take_chunks(self) -> dict[str, tuple[int, list[int]]]:
-        """(chunk size, the chunk CRCs) of each file written since the last call, by path."""
+    def take_chunks(self) -> dict[str, int]:
+        """The chunk size of each file written since the last call (not its sidecar), by path."""
         with self._lock:
             chunks, self._chunks = self._chunks, {}
         return chunks

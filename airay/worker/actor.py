@@ -389,8 +389,7 @@ class TrainWorker:
         copied = self._take_copies()
         if peer is not None:
             self._copying[step] = self._copier.submit(self._copy_to_peer, step, saving["dir"], written, peer, peer_node)
-        return {"files": written, "chunks": {n: crcs for n, (_, crcs) in chunked.items()},
-                "chunk_sizes": {n: size for n, (size, _) in chunked.items()}, "chunk_bytes": self._ckpt_writer.chunk_bytes,
+        return {"files": written, "chunk_sizes": chunked, "chunk_bytes": self._ckpt_writer.chunk_bytes,
                 "layout": saving["layout"], "node_id": self.node_id,
                 "peer_node": peer_node if peer is not None else None, "write_s": write_s, "copied": copied}
 

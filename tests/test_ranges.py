@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_skeleton, runs
+from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, batches, chunks_of, load_skeleton, runs
 from airay.checkpoint.staging import CrcFile, chunk_size_for
 from tests.test_reshard import SMALL_SUB_GROUPS, _engine, _port, _save_world
 
@@ -43,27 +43,57 @@ def test_a_file_has_at_least_4096_chunks_powers_of_two_between_64_kib_and_chunk_
     assert chunk_size_for(26 << 20, 4096) == 4096  # chunk_mib below the smallest: chunk_mib's
 
 
-def test_a_run_of_needed_chunks_is_one_read():
-    data = random.Random(2).randbytes(10 * CHUNK)
-    reads = []
+def spans_of(data):
+    """A fetcher serving `data`, as a copy in a peer's store or in durable storage would."""
+    return lambda spans: [bytes(data[off:off + n]) for off, n in spans]
 
-    def peer(off, n):
-        reads.append((off, n))
-        return data[off:off + n]
+
+def test_a_run_of_needed_chunks_is_one_range_and_the_ranges_go_in_one_call(monkeypatch):
+    from airay.checkpoint import ranges
+
+    data = random.Random(2).randbytes(10 * CHUNK)
+    calls = []
+
+    def peer(spans):
+        calls.append(spans)
+        return spans_of(data)(spans)
 
     assert runs([0, 1, 2, 5, 6, 9], 2) == [(0, 1), (2, 2), (5, 6), (9, 9)]
+    assert batches([(0, 1), (2, 2), (5, 6), (9, 9)], 3) == [[(0, 1), (2, 2)], [(5, 6), (9, 9)]]
     copy = ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), "/dev/null", False)
     copy._write = lambda pieces: None
-    assert copy.ensure([1, 2, 3, 7], [("peer:n1", peer)]) == [] and sorted(copy.verified) == [1, 2, 3, 7]
-    assert reads == [(CHUNK, 3 * CHUNK), (7 * CHUNK, CHUNK)] and copy.bytes_read == 4 * CHUNK
+    assert copy.ensure([1, 2, 3, 7, 9], [("peer:n1", peer)]) == [] and sorted(copy.verified) == [1, 2, 3, 7, 9]
+    # A ZeRO-3 reshard needs a piece of every parameter: one round trip for all of them.
+    assert calls == [[(CHUNK, 3 * CHUNK), (7 * CHUNK, CHUNK), (9 * CHUNK, CHUNK)]] and copy.bytes_read == 5 * CHUNK
+    # No call asks for more than MAX_READ bytes (a peer's reply is held in memory whole).
+    monkeypatch.setattr(ranges, "MAX_READ", 2 * CHUNK)
+    calls.clear()
+    copy = ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), "/dev/null", False)
+    copy._write = lambda pieces: None
+    assert copy.ensure([0, 1, 2, 4, 6], [("peer:n1", peer)]) == []
+    assert calls == [[(0, 2 * CHUNK)], [(2 * CHUNK, CHUNK), (4 * CHUNK, CHUNK)], [(6 * CHUNK, CHUNK)]]
+
+
+def test_a_skeleton_of_small_chunks_is_one_call_for_both_ends(tmp_path):
+    from airay.checkpoint.ranges import SKELETON_START
+
+    state = {"state": {i: {"exp_avg": torch.randn(1000)} for i in range(200)}, "step": 3}
+    torch.save(state, tmp_path / "o.pt")
+    data = (tmp_path / "o.pt").read_bytes()
+    calls = []
+    copy = ChunkedCopy("o.pt", len(data), CHUNK, chunk_crcs(data), str(tmp_path / "o.sparse"), False)
+    skeleton, bad = load_skeleton(copy, [("peer:n1", lambda spans: calls.append(spans) or spans_of(data)(spans))])
+    assert bad == [] and sorted(skeleton["state"]) == list(range(200)) and skeleton["step"] == 3
+    tail = (-(-len(data) // CHUNK) - SKELETON_START // CHUNK) * CHUNK  # where the last k chunks begin
+    assert calls == [[(0, SKELETON_START), (tail, len(data) - tail)]]
 
 
 def test_a_chunked_copy_verifies_each_chunk_and_falls_back_to_the_next_copy(tmp_path):
     data = random.Random(1).randbytes(3 * CHUNK + 100)
     bad = bytearray(data)
     bad[CHUNK + 5] ^= 0xFF  # chunk 1 of the peer's copy is corrupt
-    peer = ("peer:n1", lambda off, n: bytes(bad[off:off + n]))
-    durable = ("durable", lambda off, n: data[off:off + n])
+    peer = ("peer:n1", spans_of(bad))
+    durable = ("durable", spans_of(data))
     copy = ChunkedCopy("f.pt", len(data), CHUNK, chunk_crcs(data), str(tmp_path / "f.pt.sparse"), False)
     met = copy.ensure(chunks_of([(CHUNK - 10, CHUNK + 10)], len(data), CHUNK), [peer, durable])
     assert sorted(copy.verified) == [0, 1] and [(b["copy"], b["reason"][:7]) for b in met] == [("peer:n1", "chunk 1")]
@@ -121,6 +151,9 @@ def _new_rank(rank, world, stage, port, out, zero, results):
     from airay.checkpoint.ranges import tensors_in
     from airay.checkpoint.reshard import layout_of
 
+    from airay.checkpoint import ranges
+
+    ranges.SKELETON_START = CHUNK  # to scale with the chunks: one chunk of each end, as at 64 MiB
     old = Path(out, "ck")
     names = sorted(p.name for p in old.iterdir() if p.name.endswith(".pt"))
     files = {n: FileEntry(len(d), zlib.crc32(d), 0, chunk_crcs(d)) for n in names for d in [(old / n).read_bytes()]}
@@ -131,7 +164,7 @@ def _new_rank(rank, world, stage, port, out, zero, results):
     layout = layout_of(engine)
     need = [n for n in needed_files(manifest, rank, world, layout) if "optim_states" in n]
     copies = {n: ChunkedCopy(n, files[n].size, CHUNK, files[n].chunks, f"{out}/sparse-{rank}/{n}", False) for n in need}
-    fetch = {n: [("peer", lambda off, size, n=n: (old / n).read_bytes()[off:off + size])] for n in need}
+    fetch = {n: [("peer", spans_of((old / n).read_bytes()))] for n in need}
     skeletons = {n: load_skeleton(c, fetch[n])[0] for n, c in copies.items()}
     sparse = LoadPlan(manifest, rank, world, {n: c.path for n, c in copies.items()}, layout)
     wanted = sparse.needed_ranges(skeletons.__getitem__)

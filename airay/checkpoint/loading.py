@@ -256,12 +256,13 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         sidecar_bytes += n
         copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes_of(name), crcs,
                                    str(local if whole else Path(sparse_dir) / name), whole)
-        fetchers[name] = [(f"peer:{node_id}", lambda off, n, store=store, name=name:
-                           ray.get(store.read.remote(step, name, off, n), timeout=io_timeout_s(n)))
+        fetchers[name] = [(f"peer:{node_id}", lambda spans, store=store, name=name:
+                           ray.get(store.read_spans.remote(step, name, spans),
+                                   timeout=io_timeout_s(sum(n for _, n in spans))))
                           for node_id, store in source.peers.get(name, [])]
         if storage is not None:
-            fetchers[name].append(("durable", lambda off, n, name=name:
-                                   storage.read_range(f"{step_name(step)}/{name}", off, n)))
+            fetchers[name].append(("durable", lambda spans, name=name:
+                                   storage.read_spans(f"{step_name(step)}/{name}", spans)))
     try:
         skeletons = {}
         for name, c in copies.items():

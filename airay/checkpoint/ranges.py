@@ -32,6 +32,11 @@ from airay.checkpoint.checksum import crc32
 MAX_READ = 64 << 20
 
 
+# How much of each end of a file a skeleton starts from: torch.save's pickle of an optimizer
+# partition and its zip directory are a few KB; small chunks must not cost a read round each.
+SKELETON_START = 64 << 10
+
+
 def chunks_of(ranges: list[tuple[int, int]], size: int, chunk_bytes: int) -> list[int]:
     """Indices of the chunks of a `size`-byte file that the byte ranges [lo, hi) touch."""
     need: set[int] = set()
@@ -51,6 +56,27 @@ def runs(indices: list[int], longest: int) -> list[tuple[int, int]]:
         else:
             out.append((i, i))
     return out
+
+
+def batches(spans: list[tuple[int, int]], most: int) -> list[list[tuple[int, int]]]:
+    """Runs (first, last) of chunks, in order, grouped so no group holds more than `most` chunks
+    (a run longer than that is a group of its own: `runs` bounds it)."""
+    out: list[list[tuple[int, int]]] = []
+    held = most
+    for first, last in spans:
+        n = last - first + 1
+        if held + n > most:
+            out.append([])
+            held = 0
+        out[-1].append((first, last))
+        held += n
+    return out
+
+
+def read_spans(path: str | os.PathLike, spans: list[tuple[int, int]]) -> list[bytes]:
+    """The bytes of each (offset, size) of a local file (fewer past its end), opened once."""
+    with open(path, "rb") as f:
+        return [os.pread(f.fileno(), size, offset) for offset, size in spans]
 
 
 def slice_range(t) -> tuple[int, int]:
@@ -107,33 +133,39 @@ class ChunkedCopy:
 
     def ensure(self, chunks: list[int], fetchers: list) -> list[dict]:
         """Make `chunks` present and verified, from the node's whole copy when it has one, else
-        from each of `fetchers` ((label, fetch(offset, size) -> bytes)) in turn, each run of
-        consecutive chunks in one read; returns the bad copies met. A bad chunk in the node's
-        copy moves every chunk to a sparse copy. Raises ChunkUnavailable when a chunk has no
-        good copy."""
+        from each of `fetchers` ((label, fetch([(offset, size), ...]) -> [bytes, ...])) in turn:
+        each run of consecutive chunks is one range, and the ranges go to a copy in batches of
+        up to MAX_READ bytes, one call a batch (a ZeRO-3 reshard needs a piece of every parameter
+        from each old partition: thousands of ranges, which one round trip each would make slow).
+        Returns the bad copies met. A bad chunk in the node's copy moves every chunk to a sparse
+        copy. Raises ChunkUnavailable when a chunk has no good copy."""
         bad: list[dict] = []
         self.wanted.update(chunks)
         sources = [("local", self._read_local)] if self.whole_local else list(fetchers)
         for label, fetch in sources:
-            for first, last in runs(sorted(self.wanted - self.verified), max(1, MAX_READ // self.chunk_bytes)):
-                lo, hi = first * self.chunk_bytes, min(self.size, (last + 1) * self.chunk_bytes)
+            for batch in batches(runs(sorted(self.wanted - self.verified), max(1, MAX_READ // self.chunk_bytes)),
+                                 MAX_READ // self.chunk_bytes):
+                spans = [(first * self.chunk_bytes, min(self.size, (last + 1) * self.chunk_bytes)) for first, last in batch]
                 try:
-                    data = fetch(lo, hi - lo)
+                    got = fetch([(lo, hi - lo) for lo, hi in spans])
                 except Exception as exc:  # the peer or storage is gone: the next copy
                     bad.append({"file": self.name, "copy": label,
-                                "reason": f"chunk {first}: {type(exc).__name__}: {exc}"})
+                                "reason": f"chunk {batch[0][0]}: {type(exc).__name__}: {exc}"})
                     continue
-                self.bytes_read += len(data)
-                view, good = memoryview(data), []
-                for i in range(first, last + 1):
-                    met = self._verify(i, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo], label)
-                    bad += met
-                    if not met:
-                        good.append(i)
-                if label != "local":  # into the sparse copy: the whole run at once, else its good chunks
-                    pieces = [(lo, view)] if len(good) == last - first + 1 else \
-                        [(i * self.chunk_bytes, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo]) for i in good]
-                    self._write(pieces)
+                pieces = []
+                for (first, last), (lo, _), data in zip(batch, spans, got):
+                    self.bytes_read += len(data)
+                    view, good = memoryview(data), []
+                    for i in range(first, last + 1):
+                        met = self._verify(i, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo], label)
+                        bad += met
+                        if not met:
+                            good.append(i)
+                    if label != "local":  # into the sparse copy: the whole run at once, else its good chunks
+                        pieces += [(lo, view)] if len(good) == last - first + 1 else \
+                            [(i * self.chunk_bytes, view[i * self.chunk_bytes - lo:(i + 1) * self.chunk_bytes - lo])
+                             for i in good]
+                self._write(pieces)
         missing = sorted(self.wanted - self.verified)
         if missing and self.whole_local:  # the node's copy is bad here: every chunk from elsewhere
             self.whole_local, self.path, self.verified, self.served = False, self.path + ".sparse", set(), {}
@@ -154,10 +186,8 @@ class ChunkedCopy:
                  "reason": f"chunk {i}: {len(data)} bytes, crc32 {crc32(data):#010x}; manifest says "
                            f"{want} bytes, crc32 {self.crcs[i]:#010x}"}]
 
-    def _read_local(self, offset: int, size: int) -> bytes:
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            return f.read(size)
+    def _read_local(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        return read_spans(self.path, spans)
 
     def _write(self, pieces: list[tuple[int, bytes]]) -> None:
         """Write (offset, bytes) pieces into the sparse copy, opened once."""
@@ -177,7 +207,7 @@ def load_skeleton(copy: "ChunkedCopy", fetchers: list):
     """The structure of `copy`'s file (load_meta), from its first and last chunks, and more of
     each end while that is not enough; returns (structure, bad copies met)."""
     n = -(-copy.size // copy.chunk_bytes)
-    bad, k = [], 1
+    bad, k = [], max(1, SKELETON_START // copy.chunk_bytes)
     while True:
         bad += copy.ensure(sorted({*range(min(k, n)), *range(max(0, n - k), n)}), fetchers)
         try:

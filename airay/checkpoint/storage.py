@@ -140,10 +140,10 @@ class Storage:
                 crc, size = crc32(chunk, crc), size + len(chunk)
         return size, crc
 
-    def read_range(self, rel: str, offset: int, size: int) -> bytes:
-        """`size` bytes of `rel` from `offset` (fewer past its end): a ranged read on object stores."""
+    def read_spans(self, rel: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each (offset, size) of `rel`, the file opened once: a ranged read each."""
         with self.fs.open_input_file(self.full(rel)) as f:
-            return f.read_at(size, offset)
+            return [f.read_at(size, offset) for offset, size in spans]
 
     def download_file(self, rel: str, dest: str | os.PathLike) -> tuple[int, int]:
         """Copy `rel` into the local file `dest`; returns (size, crc32) of what arrived."""

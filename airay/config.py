@@ -205,9 +205,9 @@ class CheckpointSpec(_Spec):
         "(still capped by /dev/shm's room)")
     chunk_mib: float = Field(
         1, gt=0, description="the largest chunk of a checkpoint file with a CRC-32 of its own (in the file's CRC "
-        "sidecar, FILE.crc32; a file has at least 4096 chunks, each a power of two of at least 64 KiB and at most "
+        "sidecar, FILE.crc32; a file has at least 4096 chunks, each a power of two of at least 4 KiB and at most "
         "this many MiB): a rank loading at another world size reads and verifies only the chunks that hold its new "
-        "partition (and each old file's first and last chunk, its structure)")
+        "partition (and each old file's ends, its structure)")
     preemption_grace_s: float = Field(
         30, gt=0, description="after SIGTERM (spot reclaim), the run checkpoints and exits within this long")
     export_hf: bool = Field(

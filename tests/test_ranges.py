@@ -35,12 +35,13 @@ def test_crc_file_keeps_a_crc_per_chunk_however_the_writes_fall():
         assert f.chunk_crcs() == chunk_crcs(data, chunk) and (f.size, f.crc) == (len(data), zlib.crc32(data))
 
 
-def test_a_file_has_at_least_4096_chunks_powers_of_two_between_64_kib_and_chunk_mib():
+def test_a_file_has_at_least_4096_chunks_powers_of_two_between_4_kib_and_chunk_mib():
     assert chunk_size_for(300 << 20, 1 << 20) == 64 << 10  # a 300 MiB partition: 4800 chunks of 64 KiB
     assert chunk_size_for(2 << 30, 1 << 20) == 512 << 10  # 2 GiB: 4096 of 512 KiB
     assert chunk_size_for(17 << 30, 1 << 20) == 1 << 20  # 17 GB (70B on 64 ranks): chunk_mib's, 17408 of them
-    assert chunk_size_for(1000, 1 << 20) == chunk_size_for(0, 1 << 20) == 64 << 10
-    assert chunk_size_for(26 << 20, 4096) == 4096  # chunk_mib below the smallest: chunk_mib's
+    assert chunk_size_for(19 << 20, 1 << 20) == 4 << 10  # 19 MiB (6.5M parameters' ZeRO-3 partition): 4 KiB
+    assert chunk_size_for(1000, 1 << 20) == chunk_size_for(0, 1 << 20) == 4 << 10
+    assert chunk_size_for(26 << 20, 1024) == 1024  # chunk_mib below the smallest: chunk_mib's
 
 
 def spans_of(data):
@@ -77,13 +78,13 @@ def test_a_run_of_needed_chunks_is_one_range_and_the_ranges_go_in_one_call(monke
 def test_a_skeleton_of_small_chunks_is_one_call_for_both_ends(tmp_path):
     from airay.checkpoint.ranges import SKELETON_START
 
-    state = {"state": {i: {"exp_avg": torch.randn(1000)} for i in range(200)}, "step": 3}
+    state = {"state": {i: {"exp_avg": torch.randn(10000)} for i in range(20)}, "step": 3}
     torch.save(state, tmp_path / "o.pt")
     data = (tmp_path / "o.pt").read_bytes()
     calls = []
     copy = ChunkedCopy("o.pt", len(data), CHUNK, chunk_crcs(data), str(tmp_path / "o.sparse"), False)
     skeleton, bad = load_skeleton(copy, [("peer:n1", lambda spans: calls.append(spans) or spans_of(data)(spans))])
-    assert bad == [] and sorted(skeleton["state"]) == list(range(200)) and skeleton["step"] == 3
+    assert bad == [] and sorted(skeleton["state"]) == list(range(20)) and skeleton["step"] == 3
     tail = (-(-len(data) // CHUNK) - SKELETON_START // CHUNK) * CHUNK  # where the last k chunks begin
     assert calls == [[(0, SKELETON_START), (tail, len(data) - tail)]]
 

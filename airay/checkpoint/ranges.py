@@ -34,7 +34,7 @@ MAX_READ = 64 << 20
 
 # How much of each end of a file a skeleton starts from: torch.save's pickle of an optimizer
 # partition and its zip directory are a few KB; small chunks must not cost a read round each.
-SKELETON_START = 64 << 10
+SKELETON_START = 16 << 10
 
 
 def chunks_of(ranges: list[tuple[int, int]], size: int, chunk_bytes: int) -> list[int]:

@@ -36,10 +36,12 @@ from airay.checkpoint.checksum import crc32, crc_sidecar, pack_crcs
 
 # A file's chunks: at least this many (a resharded load reads whole chunks, so up to one chunk too
 # many at each end of each piece it needs: under ZeRO-3, a piece of every parameter), each at least
-# MIN_CHUNK (fewer reads of a small file) and at most `checkpoint.chunk_mib`. Their CRCs are in the
-# file's CRC sidecar (checksum.crc_sidecar), not in the manifest: 4 bytes a chunk.
+# MIN_CHUNK (a page) and at most `checkpoint.chunk_mib`. Consecutive chunks are one range, and all of
+# a file's ranges go to a copy in one call (ranges.runs, ranges.batches), so small chunks cost CRC
+# calls, not round trips. Their CRCs are in the file's CRC sidecar (checksum.crc_sidecar), not in the
+# manifest: 4 bytes a chunk.
 CHUNKS_PER_FILE = 4096
-MIN_CHUNK = 64 << 10
+MIN_CHUNK = 4 << 10
 
 
 def chunk_size_for(nbytes: int, most: int) -> int:

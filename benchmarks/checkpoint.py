@@ -175,6 +175,9 @@ def airay_run(d_model: int, work: Path, stage: int = 2, kill: bool = True) -> di
         # Where the recovery's seconds went (the controller's parts: drain, the wait for the save
         # in flight, re-forming the world, the reload, and the workers' own timings).
         "recovery_parts": {k: v for k, v in shrink.items() if k.endswith("_s") and k != "recovery_s"},
+        # The new world's first step against a steady step of the first world (its first step left
+        # out: imports, allocation), as the workers timed them: what a step itself costs here.
+        **step_times(read_jsonl(run / "metrics.jsonl"), shrink["ts"] - shrink["recovery_s"]),
         # The worst rank of any resharded load: bytes it read over the bytes its reshard used.
         "read_vs_needed": max(e["read_vs_needed"] for e in loaded),
         # Peak RSS of the ranks of the regrown world of 4 (warm processes: the first world's builds
@@ -182,6 +185,15 @@ def airay_run(d_model: int, work: Path, stage: int = 2, kill: bool = True) -> di
         "build_rss": [w.get("build_rss") for w in [e for e in events if e["type"] == "world_formed"
                                                    and e["world_size"] == WORKERS][-1]["workers"]],
     }
+
+
+def step_times(metrics: list[dict], recovery_t0: float) -> dict:
+    """`steady_step_s`: the median step time of the first world before the failure (its first
+    step left out); `first_step_s`: the time of the first step after it."""
+    before = [m["step_time_s"] for m in metrics if m["ts"] < recovery_t0 and m["world_size"] == WORKERS][1:]
+    after = [m["step_time_s"] for m in metrics if m["ts"] > recovery_t0]
+    return {"steady_step_s": statistics.median(before) if before else None,
+            "first_step_s": after[0] if after else None}
 
 
 def _sync_rank(rank: int, world: int, port: int, d_model: int, stage: int, out: str, results) -> None:

@@ -75,6 +75,16 @@ def test_a_run_of_needed_chunks_is_one_range_and_the_ranges_go_in_one_call(monke
     assert calls == [[(0, 2 * CHUNK)], [(2 * CHUNK, CHUNK), (4 * CHUNK, CHUNK)], [(6 * CHUNK, CHUNK)]]
 
 
+def test_spans_of_a_file_come_back_to_back_in_one_array_and_zeros_past_its_end(tmp_path):
+    from airay.checkpoint.ranges import read_packed, unpack
+
+    data = random.Random(3).randbytes(3 * CHUNK)
+    (tmp_path / "f").write_bytes(data)
+    spans = [(CHUNK, 10), (5, CHUNK), (3 * CHUNK - 4, 8)]  # the last reaches 4 bytes past the end
+    got = [bytes(v) for v in unpack(read_packed(tmp_path / "f", spans), spans)]
+    assert got == [data[CHUNK:CHUNK + 10], data[5:5 + CHUNK], data[-4:] + bytes(4)]
+
+
 def test_a_skeleton_of_small_chunks_is_one_call_for_both_ends(tmp_path):
     from airay.checkpoint.ranges import SKELETON_START
 

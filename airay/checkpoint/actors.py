@@ -124,11 +124,12 @@ class NodeStore:
             f.seek(offset)
             return f.read(size)
 
-    def read_spans(self, step: int, name: str, spans: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each (offset, size) of a file: a resharding rank's pieces in one call."""
-        from airay.checkpoint.ranges import read_spans
+    def read_packed(self, step: int, name: str, spans: list[tuple[int, int]]):
+        """Each (offset, size) of a file, back to back (ranges.read_packed): a resharding rank's
+        pieces in one call."""
+        from airay.checkpoint.ranges import read_packed
 
-        return read_spans(self.tier.step_dir(step) / name, spans)
+        return read_packed(self.tier.step_dir(step) / name, spans)
 
     def upload(self, step: int, names: list[str], location: str) -> dict:
         """Upload files of `step` this node holds to durable storage (for a rank lost mid-upload);

@@ -21,7 +21,7 @@ from airay.checkpoint.actors import io_timeout_s
 from airay.checkpoint.checksum import crc32, crc_sidecar, unpack_crcs
 from airay.checkpoint.layout import Manifest, files_to_load, step_name
 from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, chunks_of, load_mmap, load_skeleton, \
-    slice_range, storage_range, tensors_in
+    slice_range, storage_range, tensors_in, unpack
 
 CHUNK = 64 << 20  # bytes per piece when a file crosses nodes (through the object store) or storage
 
@@ -257,8 +257,8 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         copies[name] = ChunkedCopy(name, f.size, manifest.chunk_bytes_of(name), crcs,
                                    str(local if whole else Path(sparse_dir) / name), whole)
         fetchers[name] = [(f"peer:{node_id}", lambda spans, store=store, name=name:
-                           ray.get(store.read_spans.remote(step, name, spans),
-                                   timeout=io_timeout_s(sum(n for _, n in spans))))
+                           unpack(ray.get(store.read_packed.remote(step, name, spans),
+                                          timeout=io_timeout_s(sum(n for _, n in spans))), spans))
                           for node_id, store in source.peers.get(name, [])]
         if storage is not None:
             fetchers[name].append(("durable", lambda spans, name=name:

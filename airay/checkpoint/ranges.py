@@ -73,10 +73,28 @@ def batches(spans: list[tuple[int, int]], most: int) -> list[list[tuple[int, int
     return out
 
 
-def read_spans(path: str | os.PathLike, spans: list[tuple[int, int]]) -> list[bytes]:
-    """The bytes of each (offset, size) of a local file (fewer past its end), opened once."""
+def read_packed(path: str | os.PathLike, spans: list[tuple[int, int]]):
+    """Each (offset, size) of a local file, back to back in one uint8 array (zeros past the file's
+    end), the file opened once. An array, not bytes: Ray hands a peer's reply over zero-copy
+    (bytes, or a list of them, are pickled: a copy more on each side, twice the time measured)."""
+    import numpy as np
+
+    out = np.zeros(sum(size for _, size in spans), np.uint8)
+    view, pos = memoryview(out), 0
     with open(path, "rb") as f:
-        return [os.pread(f.fileno(), size, offset) for offset, size in spans]
+        for offset, size in spans:
+            os.preadv(f.fileno(), [view[pos:pos + size]], offset)
+            pos += size
+    return out
+
+
+def unpack(packed, spans: list[tuple[int, int]]) -> list[memoryview]:
+    """read_packed's array as one view per span."""
+    view, out, pos = memoryview(packed), [], 0
+    for _, size in spans:
+        out.append(view[pos:pos + size])
+        pos += size
+    return out
 
 
 def slice_range(t) -> tuple[int, int]:
@@ -186,8 +204,8 @@ class ChunkedCopy:
                  "reason": f"chunk {i}: {len(data)} bytes, crc32 {crc32(data):#010x}; manifest says "
                            f"{want} bytes, crc32 {self.crcs[i]:#010x}"}]
 
-    def _read_local(self, spans: list[tuple[int, int]]) -> list[bytes]:
-        return read_spans(self.path, spans)
+    def _read_local(self, spans: list[tuple[int, int]]) -> list[memoryview]:
+        return unpack(read_packed(self.path, spans), spans)
 
     def _write(self, pieces: list[tuple[int, bytes]]) -> None:
         """Write (offset, bytes) pieces into the sparse copy, opened once."""

@@ -53,6 +53,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.sampler import Sampler  # noqa: E402
 
 WORKERS, LAYERS, SEQ = 4, 8, 32
+SAVE_EVERY = 2  # checkpoint.fast_every_n_steps: a save to node memory every 2 steps
+
+
 def deepspeed_config(stage: int) -> dict:
     return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}}
 
@@ -68,8 +71,8 @@ def job(run_dir: Path, d_model: int, work: Path, stage: int = 2, kill: bool = Tr
             "data": {"kwargs": {"seq_len": SEQ}},
             "global_batch_size": 4, "micro_batch_size": 1, "max_steps": 16, "steps_per_round": 2,
             "scaling": {"min_workers": 3, "max_workers": WORKERS},
-            "checkpoint": {"path": str(work / "durable"), "every_n_steps": 4, "fast_every_n_steps": 2, "keep_last": 2,
-                           "memory_path": str(work / "memory")},
+            "checkpoint": {"path": str(work / "durable"), "every_n_steps": 4, "fast_every_n_steps": SAVE_EVERY,
+                           "keep_last": 2, "memory_path": str(work / "memory")},
             "chaos": [{"fault": "kill_worker", "at_step": 7, "rank": 1}] if kill else [],
             "timeouts": {"capacity_wait_s": 300}, "run_dir": str(run_dir)}
 
@@ -177,7 +180,7 @@ def airay_run(d_model: int, work: Path, stage: int = 2, kill: bool = True) -> di
         "recovery_parts": {k: v for k, v in shrink.items() if k.endswith("_s") and k != "recovery_s"},
         # The new world's first step against a steady step of the first world (its first step left
         # out: imports, allocation), as the workers timed them: what a step itself costs here.
-        **step_times(read_jsonl(run / "metrics.jsonl"), shrink["ts"] - shrink["recovery_s"]),
+        **step_times(read_jsonl(run / "metrics.jsonl"), shrink["ts"] - shrink["recovery_s"], SAVE_EVERY),
         # The worst rank of any resharded load: bytes it read over the bytes its reshard used.
         "read_vs_needed": max(e["read_vs_needed"] for e in loaded),
         # Peak RSS of the ranks of the regrown world of 4 (warm processes: the first world's builds
@@ -187,12 +190,17 @@ def airay_run(d_model: int, work: Path, stage: int = 2, kill: bool = True) -> di
     }
 
 
-def step_times(metrics: list[dict], recovery_t0: float) -> dict:
-    """`steady_step_s`: the median step time of the first world before the failure (its first
-    step left out); `first_step_s`: the time of the first step after it."""
-    before = [m["step_time_s"] for m in metrics if m["ts"] < recovery_t0 and m["world_size"] == WORKERS][1:]
+def step_times(metrics: list[dict], recovery_t0: float, save_every: int) -> dict:
+    """Step times of the first world before the failure (its first step left out), as the
+    workers timed them: `step_s`, the median of steps that began with no save in flight;
+    `step_after_save_s`, of steps that began just after a save (the save's writes, peer copies
+    and uploads run beside them); `first_step_s`: the first step after the failure."""
+    before = [m for m in metrics if m["ts"] < recovery_t0 and m["world_size"] == WORKERS and m["step"] > 0]
     after = [m["step_time_s"] for m in metrics if m["ts"] > recovery_t0]
-    return {"steady_step_s": statistics.median(before) if before else None,
+    clean = [m["step_time_s"] for m in before if m["step"] % save_every]
+    behind_save = [m["step_time_s"] for m in before if not m["step"] % save_every]
+    return {"step_s": statistics.median(clean) if clean else None,
+            "step_after_save_s": statistics.median(behind_save) if behind_save else None,
             "first_step_s": after[0] if after else None}
 
 

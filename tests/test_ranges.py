@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, batches, chunks_of, load_skeleton, runs
+from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, batches, chunks_of, coalesce, load_skeleton, runs
 from airay.checkpoint.staging import CrcFile, chunk_size_for
 from tests.test_reshard import SMALL_SUB_GROUPS, _engine, _port, _save_world
 
@@ -73,6 +73,21 @@ def test_a_run_of_needed_chunks_is_one_range_and_the_ranges_go_in_one_call(monke
     copy._write = lambda pieces: None
     assert copy.ensure([0, 1, 2, 4, 6], [("peer:n1", peer)]) == []
     assert calls == [[(0, 2 * CHUNK)], [(2 * CHUNK, CHUNK), (4 * CHUNK, CHUNK)], [(6 * CHUNK, CHUNK)]]
+
+
+def test_spans_close_together_are_one_read_while_the_bytes_dropped_stay_a_small_share():
+    page = 4096
+    # Three pages 256 bytes apart: one read; 512 bytes dropped of 12288 kept.
+    assert coalesce([(0, page), (page + 256, page), (2 * page + 512, page)], gap=1 << 20) == \
+        ([(0, 3 * page + 512)], [(0, 0), (0, page + 256), (0, 2 * page + 512)])
+    # A gap as large as `gap` is a read of its own; so is one that would drop more than 1/8 of
+    # what the read keeps (a page after a page, a page apart: half of the read dropped).
+    assert coalesce([(0, page), (2 * page, page)], gap=page)[0] == [(0, page), (2 * page, page)]
+    assert coalesce([(0, page), (2 * page, page)], gap=1 << 20)[0] == [(0, page), (2 * page, page)]
+    # Spans given out of order come back in their order; overlapping ones share a read.
+    reads, where = coalesce([(9 * page, page), (0, 2 * page), (page, page)], gap=1 << 20)
+    assert reads == [(0, 2 * page), (9 * page, page)] and where == [(1, 0), (0, 0), (0, page)]
+    assert coalesce([], gap=1) == ([], [])
 
 
 def test_spans_of_a_file_come_back_to_back_in_one_array_and_zeros_past_its_end(tmp_path):
@@ -175,7 +190,13 @@ def _new_rank(rank, world, stage, port, out, zero, results):
     layout = layout_of(engine)
     need = [n for n in needed_files(manifest, rank, world, layout) if "optim_states" in n]
     copies = {n: ChunkedCopy(n, files[n].size, CHUNK, files[n].chunks, f"{out}/sparse-{rank}/{n}", False) for n in need}
-    fetch = {n: [("peer", spans_of((old / n).read_bytes()))] for n in need}
+    # Rank 1 reads from durable storage (the old files' directory, through Storage's coalesced
+    # ranged reads), the others from a peer's copy.
+    from airay.checkpoint.storage import Storage
+
+    durable = Storage(old)
+    fetch = {n: [("durable", lambda spans, n=n: durable.read_spans(n, spans)) if rank == 1 else
+                 ("peer", spans_of((old / n).read_bytes()))] for n in need}
     skeletons = {n: load_skeleton(c, fetch[n])[0] for n, c in copies.items()}
     sparse = LoadPlan(manifest, rank, world, {n: c.path for n, c in copies.items()}, layout)
     wanted = sparse.needed_ranges(skeletons.__getitem__)
@@ -191,7 +212,8 @@ def _new_rank(rank, world, stage, port, out, zero, results):
     expect = sum(min(CHUNK, c.size - i * CHUNK) for n, c in copies.items() for i in touched[n])
     results[rank] = {"equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "expect": expect,
                      "read": sum(c.bytes_read for c in copies.values()), "files": sum(c.size for c in copies.values()),
-                     "needed": sum(hi - lo for ranges in wanted.values() for lo, hi in ranges), "name": name}
+                     "needed": sum(hi - lo for ranges in wanted.values() for lo, hi in ranges), "name": name,
+                     "dropped": durable.dropped_bytes}
 
 
 @pytest.mark.parametrize("stage,zero", [(2, None), (3, SMALL_SUB_GROUPS)], ids=["zero2", "zero3-subgroups"])
@@ -206,5 +228,7 @@ def test_a_resharded_load_reads_only_the_chunks_it_needs_and_builds_the_same_par
         assert r["equal"], rank  # the same new partition, moments and scalars as from the whole files
         # Every byte used was read, and no chunk but those holding them and the files' skeletons.
         assert r["needed"] <= r["read"] == r["expect"], (rank, r)
+        # Durable reads coalesced drop (and count) at most an eighth of what they keep.
+        assert r["dropped"] <= r["read"] / 8, (rank, r)
         if stage == 2:  # a third of the state, contiguous in two old files: well under their bytes
             assert r["read"] < 0.8 * r["files"], (rank, r)

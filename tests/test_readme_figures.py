@@ -33,6 +33,8 @@ ALLOWED = {
     "1e-4": "rtol of the elastic tests' loss comparison (tests/test_elastic.py), a tolerance",
     "0.01": "tolerance of the simulator against Daly's closed form, asserted in tests/test_simulate.py",
     "64 MiB": "chunk size of peer copies through the object store, a constant of airay/checkpoint",
+    "1 MiB": "the gap below which durable ranged reads are coalesced (airay/checkpoint/ranges.py COALESCE_GAP), "
+             "a constant",
     "30 s": "how long the stores' memory figures sent with a commit serve the next save (checkpoint/manager.py "
             "FIGURES_MAX_AGE_S), a constant",
     "75 MB": "object store size of tests/test_data_scale.py's cluster, a test setting",

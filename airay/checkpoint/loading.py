@@ -276,8 +276,9 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
         raise CheckpointUnavailable(f"{exc} (step {step})", step, bad + exc.bad) from None
     needed = sum(hi - lo for ranges in wanted.values() for lo, hi in ranges)
     served = {n: max(c.served, key=c.served.get) if c.served else "local" for n, c in copies.items()}
-    return ({n: c.path for n, c in copies.items()}, bad, sidecar_bytes + sum(c.bytes_read for c in copies.values()),
-            needed, served)
+    dropped = storage.dropped_bytes if storage is not None else 0  # read between spans (coalesced reads)
+    return ({n: c.path for n, c in copies.items()}, bad,
+            sidecar_bytes + sum(c.bytes_read for c in copies.values()) + dropped, needed, served)
 
 
 def chunk_crcs(manifest: Manifest, name: str, source: Source) -> tuple[list[int], list[dict], int]:

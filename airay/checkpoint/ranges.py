@@ -73,6 +73,37 @@ def batches(spans: list[tuple[int, int]], most: int) -> list[list[tuple[int, int
     return out
 
 
+# Durable storage answers each ranged read at object-store latency (a GET: tens of ms), so spans
+# nearer each other than this are one read, the bytes between them read and dropped...
+COALESCE_GAP = 1 << 20
+# ...while those dropped bytes stay within this share of the bytes kept (a read/needed ratio the
+# sweep holds to 1.2): at 70B the pieces a new rank needs of an old partition are MBs apart, and
+# a read must not fetch the whole partition to save a GET.
+COALESCE_WASTE = 0.125
+
+
+def coalesce(spans: list[tuple[int, int]], gap: int = COALESCE_GAP,
+             waste: float = COALESCE_WASTE) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(offset, size) spans as fewer reads: in order of offset, a span joins the read before it
+    when it starts less than `gap` bytes past that read's end and the read's dropped bytes stay
+    within `waste` of its kept ones. Returns the reads [(offset, size)] and, for each span in the
+    order given, (index of its read, its offset within that read)."""
+    reads: list[list[int]] = []  # [offset, end, kept bytes]
+    where: dict[int, tuple[int, int]] = {}
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        offset, size = spans[i]
+        if reads:
+            lo, end, kept = reads[-1]
+            new_end = max(end, offset + size)
+            if offset - end < gap and (new_end - lo) - (kept + size) <= waste * (kept + size):
+                reads[-1] = [lo, new_end, kept + size]
+                where[i] = (len(reads) - 1, offset - lo)
+                continue
+        reads.append([offset, offset + size, size])
+        where[i] = (len(reads) - 1, 0)
+    return [(lo, end - lo) for lo, end, _ in reads], [where[i] for i in range(len(spans))]
+
+
 def read_packed(path: str | os.PathLike, spans: list[tuple[int, int]]):
     """Each (offset, size) of a local file, back to back in one uint8 array (zeros past the file's
     end), the file opened once. An array, not bytes: Ray hands a peer's reply over zero-copy

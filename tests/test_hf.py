@@ -102,16 +102,18 @@ def test_a_llama_shrinks_regrows_with_equal_losses_and_exports_a_folder_from_pre
 
     from airay.export import export_hf
 
-    # Paced steps and rounds of 2: the killed rank's replacement joins at a round's end (4 -> 3 -> 4);
-    # durable saves every 2 steps: the world of 3 writes one (at 6) before it grows.
-    faulty = fit(spec(tmp_path / "kill", 3, [{"fault": "kill_worker", "at_step": 6, "rank": 1}], export=True,
-                      forward_delay_s=0.8, steps_per_round=2, every_n_steps=2), echo=False, local_cluster=cluster)
+    # Paced steps and rounds of 2: the killed rank's replacement, a cold process (10-20 s to start
+    # here), joins at a round's end (4 -> 3 -> 4) with 8 steps of about 2.4 s left to do it in (a
+    # kill at 6 and 0.8 s left about 10 s: a run finished at [4, 3]); durable saves every 2 steps:
+    # the world of 3 writes one (at 6) before it grows.
+    faulty = fit(spec(tmp_path / "kill", 3, [{"fault": "kill_worker", "at_step": 4, "rank": 1}], export=True,
+                      forward_delay_s=1.2, steps_per_round=2, every_n_steps=2), echo=False, local_cluster=cluster)
     assert_released()
     assert faulty.status == "finished" and faulty.world_sizes == [4, 3, 4], faulty.error
     expected, got = committed_losses(base.run_dir), committed_losses(faulty.run_dir)
     assert sorted(got) == list(range(STEPS)) and got == pytest.approx(expected, rel=1e-4)
     assert expected[STEPS - 1] < expected[0]  # it trained
-    # A step the world of 3 saved (after the kill at 6), exported from its shards and loaded back.
+    # A step the world of 3 saved (after the kill at 4), exported from its shards and loaded back.
     saved = {e["step"]: e["world_size"] for e in read_jsonl(f"{faulty.run_dir}/events.jsonl")
              if e["type"] == "checkpoint_saved" and e["tier"] == "durable"}
     step = min(s for s, w in saved.items() if w == 3)

@@ -214,11 +214,6 @@ class CheckpointSpec(_Spec):
         False, description="when the run finishes, also write its final checkpoint as a Hugging Face model folder, "
         "PATH/hf (model.factory must build a transformers PreTrainedModel: airay.models.hf:build or your own; "
         "a checkpoint directory, not a URI), in a task on a training node")
-    background_priority: Literal["idle", "low", "normal"] = Field(
-        "idle", description="CPU priority of a save's background work (its copies to the next node, their receipt "
-        "there, its durable upload): idle (Linux SCHED_IDLE: the cycles training leaves), low (nice 19) or normal "
-        "(the step loop's). Where a host's cores are all busy the training step is served first; idle cores serve "
-        "the work as before (airay.checkpoint.priority)")
     upload_retries: int = Field(
         2, ge=0, description="a durable upload that fails is tried again this many times (its files wait in "
         "the memory tier) before the checkpoint counts as failed (health.max_checkpoint_failures)")

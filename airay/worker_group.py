@@ -144,8 +144,7 @@ class WorkerGroup:
                 self.foreign_tiers.append({"node_id": node, "path": info["root"], "found": info["foreign"]})
 
     def _new_store(self, node: str):
-        return start_store(node, self.memory_base, self.job, 
-                           self.spec.get("checkpoint", {}).get("background_priority", "normal"))
+        return start_store(node, self.memory_base, self.job)
 
     def _start_stores(self, pgs: list[PlacementGroup]) -> None:
         """Start the NodeStores of the nodes `pgs` landed on, not waited for: each comes up while

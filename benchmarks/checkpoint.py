@@ -33,8 +33,6 @@ its replacement grows the world back to 4 (resharded again). Reported per size:
 Every step is CPU work (no forward_delay_s sleep). Usage:
   python benchmarks/checkpoint.py [--sizes 256,512,1024] [--stages 2,3] [--json OUT] [--reduced]
   --reduced: d_model 64, ZeRO-3 only (what the suite's reduced run uses)
-  python benchmarks/checkpoint.py --sizes 1024 --stages 2 --compare-priority normal,idle [--repeats 2]: the faulty run
-  alone at each checkpoint.background_priority, in turns: the steps beside a save against the save's own times
 """
 
 from __future__ import annotations
@@ -56,7 +54,6 @@ from benchmarks.sampler import Sampler  # noqa: E402
 
 WORKERS, LAYERS, SEQ = 4, 8, 32
 SAVE_EVERY = 2  # checkpoint.fast_every_n_steps: a save to node memory every 2 steps
-BACKGROUND_PRIORITY = None  # checkpoint.background_priority of the runs (--compare-priority); None: airay's default
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -75,8 +72,7 @@ def job(run_dir: Path, d_model: int, work: Path, stage: int = 2, kill: bool = Tr
             "global_batch_size": 4, "micro_batch_size": 1, "max_steps": 16, "steps_per_round": 2,
             "scaling": {"min_workers": 3, "max_workers": WORKERS},
             "checkpoint": {"path": str(work / "durable"), "every_n_steps": 4, "fast_every_n_steps": SAVE_EVERY,
-                           "keep_last": 2, "memory_path": str(work / "memory"),
-                           **({} if BACKGROUND_PRIORITY is None else {"background_priority": BACKGROUND_PRIORITY})},
+                           "keep_last": 2, "memory_path": str(work / "memory")},
             "chaos": [{"fault": "kill_worker", "at_step": 7, "rank": 1}] if kill else [],
             "timeouts": {"capacity_wait_s": 300}, "run_dir": str(run_dir)}
 
@@ -257,17 +253,7 @@ def main() -> int:
     ap.add_argument("--stages", default="2,3", help="ZeRO stages to run at each size")
     ap.add_argument("--reduced", action="store_true", help="d_model 64 only, ZeRO-3 only")
     ap.add_argument("--json", help="write the numbers here")
-    ap.add_argument("--compare-priority", help="instead of the sweep: the faulty run alone at each of these "
-                    "checkpoint.background_priority values (e.g. normal,idle), in turns, --repeats times, at the first of "
-                    "--sizes and --stages")
-    ap.add_argument("--repeats", type=int, default=2, help="turns of --compare-priority")
     args = ap.parse_args()
-    if args.compare_priority:
-        out = compare_priority(int(args.sizes.split(",")[0]), int(args.stages.split(",")[0]),
-                           args.compare_priority.split(","), args.repeats)
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=2))
-        return 0
     sizes = [64] if args.reduced else [int(s) for s in args.sizes.split(",")]
     stages = [3] if args.reduced else [int(s) for s in args.stages.split(",")]
     med = statistics.median
@@ -301,32 +287,6 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
-
-
-# What a save's background work costs the steps beside it, and what lowering its priority costs the save.
-PRIORITY_KEYS = ("step_s", "step_after_save_s", "first_step_s", "recovery_s", "commit_gb_per_s")
-
-
-def compare_priority(d_model: int, stage: int, priorities: list[str], repeats: int) -> dict:
-    """The faulty run at each checkpoint.background_priority in `priorities`, in turns (the
-    machine's drift shared), `repeats` times: the medians of PRIORITY_KEYS, the held time and the
-    peer copy's."""
-    global BACKGROUND_PRIORITY
-    runs: dict[str, list[dict]] = {p: [] for p in priorities}
-    for turn in range(repeats):
-        for priority in priorities:
-            BACKGROUND_PRIORITY = priority
-            with tempfile.TemporaryDirectory() as disk:
-                r = airay_run(d_model, Path(disk), stage)
-            r = {k: r[k] for k in PRIORITY_KEYS} | {"held_median_s": statistics.median(r["held_s"]),
-                                               "copy_median_s": statistics.median(r["copy_s"]) if r["copy_s"] else None}
-            runs[priority].append(r)
-            print(f"turn {turn}, background_priority {priority}: " + ", ".join(f"{k} {_num(v)}" for k, v in r.items()), flush=True)
-    medians = {n: {k: statistics.median(r[k] for r in rs if r[k] is not None) for k in rs[0]} for n, rs in runs.items()}
-    for n, m in medians.items():
-        print(f"ZeRO-{stage}, d_model {d_model}, background_priority {n}, medians of {repeats}: "
-              + ", ".join(f"{k} {_num(v)}" for k, v in m.items()), flush=True)
-    return {"d_model": d_model, "stage": stage, "repeats": repeats, "runs": runs, "medians": medians}
 
 
 def measure(d_model: int, stage: int, med) -> dict:

@@ -238,7 +238,6 @@ BASE = {"model": {"factory": "airay.models.tiny_gpt:build"}, "loss_fn": "airay.m
     ({"every_n_steps": 4, "fast_every_n_steps": 8}, "must divide"),
     ({"path": "ftp://host/ckpt"}, "'ftp://' is not a pyarrow filesystem"),
     ({"preemption_grace_s": 0}, "checkpoint.preemption_grace_s"),
-    ({"background_priority": "high"}, "checkpoint.background_priority"),
 ])
 def test_bad_checkpoint_fields_are_named(checkpoint, message):
     with pytest.raises(ConfigError, match="checkpoint") as err:

@@ -7,9 +7,7 @@ beyond a few chunks at a time: the files are in the node's memory tier (/dev/shm
 
 It runs its calls on several threads (STORE_THREADS): an 8-GPU node's ranks copy to it, peers
 read from it for a recovery and its uploads run at once, none queued behind another. Chunks of
-one peer copy still land in order (a running CRC-32 is kept per file). Peer copies arrive on
-threads of their own, at `checkpoint.background_priority` (airay.checkpoint.priority); what a
-recovering rank reads is served at full priority.
+one peer copy still land in order (a running CRC-32 is kept per file).
 """
 
 from __future__ import annotations
@@ -19,15 +17,11 @@ import socket
 import threading
 from pathlib import Path
 
-import ray
-
 from airay.checkpoint.budget import NodeMemory
 from airay.checkpoint.checksum import crc32
-from airay.checkpoint.priority import lower_this_thread
 from airay.checkpoint.tiers import MemoryTier
 
 STORE_THREADS = 8
-RECEIVE_THREADS = 2  # push_copy sends two chunks of a file at a time
 # A call moving bytes may take this long plus a second per IO_FLOOR_BYTES_S it moves: the
 # slowest rate a healthy node's memory or network is assumed to reach (a fixed bound would be
 # too tight for a 10 GB file, or far too loose for a 64 MiB chunk).
@@ -50,10 +44,9 @@ def host_id() -> str:
 
 
 class NodeStore:
-    def __init__(self, base: str, job: dict, priority: str = "normal"):
+    def __init__(self, base: str, job: dict):
         import ray
 
-        self.priority = priority  # of the threads receiving peer copies (airay.checkpoint.priority)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.tier = MemoryTier(base, self.node_id, job)
         self.foreign = self.tier.open()
@@ -73,12 +66,9 @@ class NodeStore:
         """This node's id, its memory directory, and another job's stamp it found (and cleared)."""
         return {"node_id": self.node_id, "root": str(self.tier.root), "foreign": self.foreign}
 
-    @ray.method(concurrency_group="receive")
     def receive(self, step: int, name: str, offset: int, data: bytes) -> int:
         """Write a chunk of a peer copy; returns the bytes written. Chunks of one file are sent
-        two at a time and may run on two threads (their own: background work, at a lower
-        priority than training's, `self.priority`): each waits for the one before it."""
-        lower_this_thread(self.priority)
+        two at a time and may run on two threads: each waits for the one before it."""
         key = (step, name)
         with self._arrived:
             if offset == 0:
@@ -195,14 +185,14 @@ class NodeStore:
         return names
 
 
-def start_store(node_id: str, base: str, job: dict, priority: str = "normal"):
-    """A node's NodeStore actor, pinned to it, on STORE_THREADS threads and RECEIVE_THREADS of
-    its own for peer copies arriving, at CPU priority `priority` (not waited for)."""
+def start_store(node_id: str, base: str, job: dict):
+    """A node's NodeStore actor, pinned to it, on STORE_THREADS threads (not waited for)."""
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.remote(concurrency_groups={"receive": RECEIVE_THREADS})(NodeStore).options(
+    return ray.remote(NodeStore).options(
         num_cpus=0, max_restarts=0, max_concurrency=STORE_THREADS,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(base, job, priority)
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(base, job)
 
 
 def push_copy(store, step: int, path: str | os.PathLike, size: int, crc32: int, chunk: int = 64 << 20) -> bool:

@@ -399,9 +399,7 @@ class TrainWorker:
         from pathlib import Path
 
         from airay.checkpoint.actors import push_copy
-        from airay.checkpoint.priority import lower_this_thread
 
-        lower_this_thread(self.config.checkpoint.background_priority)  # the copier's own thread
         t0 = time.perf_counter()
         try:
             ok = all(push_copy(peer, step, Path(directory) / name, *v) for name, v in written.items())
@@ -423,10 +421,8 @@ class TrainWorker:
         from pathlib import Path
 
         from airay.checkpoint.layout import step_name
-        from airay.checkpoint.priority import lower_this_thread
         from airay.checkpoint.storage import Storage
 
-        lower_this_thread(self.config.checkpoint.background_priority)  # the upload group's own thread
         t0 = time.perf_counter()
         persisted = self._persisted.get(step)
         if persisted is None:

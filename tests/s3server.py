@@ -57,7 +57,7 @@ def s3_server(hold: Callable[[str], bool] | None = None, log: list | None = None
     class Server(ThreadedMotoServer):
         def _server_entry(self) -> None:  # moto's own, with the app wrapped
             app = DomainDispatcherApplication(create_backend_app)
-            self._server = make_server(self._ip_address, self._port, _holding(app, hold, log, get_s) if hold or log is not None or get_s else app, True,
+            self._server = make_server(self._ip_address, self._port, _holding(app, hold, log, get_s), True,
                                        request_handler=MotoRequestHandler)
             self._server_ready_event.set()
             self._server.serve_forever()

@@ -161,9 +161,9 @@ class Storage:
 
                 with ThreadPoolExecutor(min(READ_CONCURRENCY, len(reads))) as pool:
                     got = list(pool.map(read, reads))
-        self.dropped_bytes += max(0, sum(len(g) for g in got) - sum(min(size, max(0, len(got[r]) - at))
-                                                             for (_, size), (r, at) in zip(spans, where)))
-        return [got[r][at:at + size] for (_, size), (r, at) in zip(spans, where)]
+        pieces = [got[r][at:at + size] for (_, size), (r, at) in zip(spans, where)]
+        self.dropped_bytes += max(0, sum(map(len, got)) - sum(map(len, pieces)))  # overlapping spans: none
+        return pieces
 
     def download_file(self, rel: str, dest: str | os.PathLike) -> tuple[int, int]:
         """Copy `rel` into the local file `dest`; returns (size, crc32) of what arrived."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests import worlds
 from tests.test_reshard import _port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +85,7 @@ def test_zero3_builds_each_rank_only_its_partition_with_the_whole_models_weights
     # moves up with the sizes freed and keeps freed layers in its heap, a few MB either way.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     results = mp.Manager().dict()
+    # Started fresh (spawn, not tests.worlds' preloaded server), so glibc reads the variable above.
     mp.spawn(_world, args=(_port(), results), nprocs=WORLD)
     results = dict(results)
     assert sorted(results) == list(range(WORLD))
@@ -159,5 +161,5 @@ def test_a_dropped_engine_is_freed_so_a_resize_does_not_keep_the_world_befores_s
     # Each resize builds a new engine in the same process: the one before must go (ZeRO-3 kept
     # it alive through DeepSpeed's module stack: a whole engine's state more per rank per resize).
     results = mp.Manager().dict()
-    mp.spawn(_rebuild, args=(_port(), stage, results), nprocs=1)
+    worlds.spawn(_rebuild, args=(_port(), stage, results), nprocs=1)
     assert results[stage] == [True, True, True]  # engine, optimizer (and its state), module

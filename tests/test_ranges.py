@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from airay.checkpoint.ranges import ChunkedCopy, ChunkUnavailable, batches, chunks_of, coalesce, load_skeleton, runs
 from airay.checkpoint.staging import CrcFile, chunk_size_for
+from tests import worlds
 from tests.test_reshard import SMALL_SUB_GROUPS, _engine, _port, _save_world
 
 CHUNK = 4096  # the tiny GPT's partitions are tens of KB: chunks of 4 KiB stand for 64 MiB ones
@@ -219,9 +220,9 @@ def _new_rank(rank, world, stage, port, out, zero, results):
 @pytest.mark.parametrize("stage,zero", [(2, None), (3, SMALL_SUB_GROUPS)], ids=["zero2", "zero3-subgroups"])
 def test_a_resharded_load_reads_only_the_chunks_it_needs_and_builds_the_same_partition(tmp_path, stage, zero):
     out = str(tmp_path)
-    mp.spawn(_save_world, args=(4, stage, _port(), out, zero), nprocs=4)
+    worlds.spawn(_save_world, args=(4, stage, _port(), out, zero), nprocs=4)
     results = mp.Manager().dict()
-    mp.spawn(_new_rank, args=(3, stage, _port(), out, zero, results), nprocs=3)
+    worlds.spawn(_new_rank, args=(3, stage, _port(), out, zero, results), nprocs=3)
     results = dict(results)
     assert sorted(results) == [0, 1, 2]
     for rank, r in results.items():

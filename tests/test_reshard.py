@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests import worlds
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 8}
 GBS = 12
@@ -226,10 +228,10 @@ CASES = {  # id: (stage, old world, new world, DeepSpeed overrides)
 @pytest.mark.parametrize("stage,old,new,extra", CASES.values(), ids=CASES.keys())
 def test_reshard_at_load_equals_deepspeeds_universal_checkpoint(tmp_path, stage, old, new, extra):
     out = str(tmp_path)
-    mp.spawn(_save_world, args=(old, stage, _port(), out, extra), nprocs=old)
+    worlds.spawn(_save_world, args=(old, stage, _port(), out, extra), nprocs=old)
     _universal(out)
     results = mp.Manager().dict()
-    mp.spawn(_load_world, args=(new, stage, _port(), out, extra, results), nprocs=new)
+    worlds.spawn(_load_world, args=(new, stage, _port(), out, extra, results), nprocs=new)
     results = dict(results)
     extra = extra or {}
     if "sub_group_size" in extra.get("zero_optimization", {}):  # sub-groups that end elsewhere at the new size

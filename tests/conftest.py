@@ -32,15 +32,76 @@ def live_placement_groups() -> list[str]:
 
 
 @contextlib.contextmanager
-def ray_cluster(nodes: int, cpus_per_node: float = 1, **spec):
-    """A real multi-node Ray cluster, connected, for a module's tests (shut down after)."""
+def started_cluster(nodes: int, cpus_per_node: float = 1, **spec):
+    """A real multi-node Ray cluster, not connected (shut down after): one a module's tests share,
+    each connecting with `connected`. A start costs about 9 s here, most of it CPU."""
     lc = LocalCluster(LocalClusterSpec(local_nodes=nodes, cpus_per_node=cpus_per_node, **spec))
+    try:
+        yield lc
+    finally:
+        lc.shutdown()
+
+
+@contextlib.contextmanager
+def connected(lc: LocalCluster, restore_nodes: int | None = None):
+    """This process as the driver of `lc` until the block ends. Disconnecting ends every actor it
+    owns (a failed test's leftovers die with it); with `restore_nodes`, the cluster then gets that
+    many worker nodes back, for a shared cluster a test removed nodes from or added nodes to."""
     ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
     try:
         yield lc
     finally:
         ray.shutdown()
-        lc.shutdown()
+        if restore_nodes is not None:
+            restore_worker_nodes(lc, restore_nodes)
+
+
+def restore_worker_nodes(lc: LocalCluster, count: int) -> None:
+    nodes = list(lc.cluster.worker_nodes)
+    for node in nodes[count:]:
+        lc.remove_node(node.node_id)
+    for _ in range(count - len(nodes)):
+        lc.add_node()
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int, cpus_per_node: float = 1, **spec):
+    """A real multi-node Ray cluster, connected, for a module's tests (shut down after)."""
+    with started_cluster(nodes, cpus_per_node, **spec) as lc, connected(lc):
+        yield lc
+
+
+@contextlib.contextmanager
+def patched_environ(values: dict[str, str]):
+    """`values` in this process's environment while the block runs (Ray processes started meanwhile
+    inherit them), the environment as it was after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(request):
+    """One cluster for a module's tests: SHARED_NODES nodes of 1 CPU (the module's constant),
+    started with the module's SHARED_ENV (if any) in its environment. Tests connect with `cluster`."""
+    with patched_environ(getattr(request.module, "SHARED_ENV", {})), \
+            started_cluster(nodes=request.module.SHARED_NODES) as lc:
+        yield lc
+
+
+@pytest.fixture
+def cluster(shared_cluster, request):
+    """The module's shared cluster, connected for one test; its nodes are back after (a test may
+    remove or add some)."""
+    with connected(shared_cluster, restore_nodes=request.module.SHARED_NODES) as lc:
+        yield lc
 
 
 @pytest.fixture

@@ -3,12 +3,13 @@ through pyarrow's own S3 client exactly as a bucket on AWS would be."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
 from contextlib import contextmanager
 from typing import Callable
+
+from tests.conftest import patched_environ
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "airay-test", "AWS_SECRET_ACCESS_KEY": "airay-test"}
 # A held request is answered after at most this long (then the next one is held): below the S3
@@ -62,26 +63,20 @@ def s3_server(hold: Callable[[str], bool] | None = None, log: list | None = None
             self._server_ready_event.set()
             self._server.serve_forever()
 
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server = Server(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    bucket = f"airay-{uuid.uuid4().hex[:8]}"
+    with patched_environ(CREDENTIALS):
+        server = Server(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        bucket = f"airay-{uuid.uuid4().hex[:8]}"
 
-    def bucket_uri(prefix: str) -> str:
-        return (f"s3://{bucket}/{prefix}?endpoint_override=http://{host}:{port}&region=us-east-1"
-                "&allow_bucket_creation=true")
+        def bucket_uri(prefix: str) -> str:
+            return (f"s3://{bucket}/{prefix}?endpoint_override=http://{host}:{port}&region=us-east-1"
+                    "&allow_bucket_creation=true")
 
-    from airay.checkpoint.storage import Storage
+        from airay.checkpoint.storage import Storage
 
-    Storage(bucket_uri("x")).fs.create_dir(bucket)
-    try:
-        yield bucket_uri
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        Storage(bucket_uri("x")).fs.create_dir(bucket)
+        try:
+            yield bucket_uri
+        finally:
+            server.stop()

@@ -31,12 +31,15 @@ import pytest
 from airay import JobConfig, fit
 from airay.checkpoint.storage import Storage
 from airay.events import committed_losses, read_jsonl
-from tests.conftest import assert_released, signal_rank_after
-from tests.s3server import s3_server
+from tests.conftest import assert_released, connected, signal_rank_after
+from tests.s3server import CREDENTIALS, s3_server
 
 pytestmark = pytest.mark.cluster
 
 RTOL = 1e-4
+# One cluster for the module (tests.conftest.shared_cluster), started with the test S3 server's
+# credentials in its environment, as nodes with an instance profile have them.
+SHARED_NODES, SHARED_ENV = 3, CREDENTIALS
 
 
 def spec_dict(run_dir, max_steps, checkpoint=None, chaos=()):
@@ -61,21 +64,12 @@ def spec(run_dir, max_steps, checkpoint=None, chaos=()):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
+def baseline(shared_cluster, tmp_path_factory):
     """Committed losses of a fault-free 30-step run."""
-    import ray
-
-    from tests.conftest import LocalCluster, LocalClusterSpec
-
-    lc = LocalCluster(LocalClusterSpec(local_nodes=3, cpus_per_node=1))
-    ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
-    try:
+    with connected(shared_cluster):
         result = fit(spec(tmp_path_factory.mktemp("base") / "run", 30), echo=False)
         assert result.status == "finished" and result.restarts == 0
         assert_released()
-    finally:
-        ray.shutdown()
-        lc.shutdown()
     losses = committed_losses(result.run_dir)
     assert losses[29] < losses[0] - 0.5  # it trained: equality is not between two flat lines
     return losses
@@ -92,7 +86,7 @@ def events(run_dir, type_):
     return [e for e in read_jsonl(f"{run_dir}/events.jsonl") if e["type"] == type_]
 
 
-def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tmp_path, local_cluster, baseline):
+def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tmp_path, cluster, baseline):
     run = tmp_path / "run"
     first_hold = []
 
@@ -110,7 +104,6 @@ def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tm
             return True
 
     with s3_server(hold=slow_store) as bucket_uri:
-        local_cluster(nodes=3)
         memory = tmp_path / "node-memory"
         ckpt = {"path": bucket_uri("job"), "every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2,
                 "memory_path": str(memory)}
@@ -163,12 +156,11 @@ def test_memory_tier_recovery_s3_parallel_uploads_resume_and_exact_loss_curve(tm
     assert_continues(run, baseline)
 
 
-def test_a_node_lost_with_its_shards_recovers_from_the_peer_copies(tmp_path, local_cluster, baseline):
-    lc = local_cluster(nodes=3)
+def test_a_node_lost_with_its_shards_recovers_from_the_peer_copies(tmp_path, cluster, baseline):
     ckpt = {"every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2, "memory_path": str(tmp_path / "mem")}
     run = tmp_path / "run"
     result = fit(spec(run, 30, ckpt, chaos=[{"fault": "remove_node", "at_step": 17, "rank": 1}]), echo=False,
-                 local_cluster=lc)
+                 local_cluster=cluster)
     assert result.status == "finished" and result.final_step == 30
     assert_released()
     (lost,) = events(run, "node_lost")
@@ -180,10 +172,9 @@ def test_a_node_lost_with_its_shards_recovers_from_the_peer_copies(tmp_path, loc
     assert_continues(run, baseline)
 
 
-def test_a_bad_copy_falls_back_to_the_peer_copy_and_another_jobs_tier_is_ignored(tmp_path, local_cluster, baseline):
+def test_a_bad_copy_falls_back_to_the_peer_copy_and_another_jobs_tier_is_ignored(tmp_path, cluster, baseline):
     import ray
 
-    local_cluster(nodes=3)
     mem = tmp_path / "mem"
     ckpt = {"every_n_steps": 10, "fast_every_n_steps": 5, "keep_last": 2, "memory_path": str(mem)}
     run = tmp_path / "run"
@@ -251,8 +242,7 @@ def test_sigterm_to_the_driver_checkpoints_exits_cleanly_and_resumes(tmp_path, b
     assert_continues(run, baseline)
 
 
-def test_sigterm_to_a_worker_checkpoints_then_shrinks_without_losing_a_step(tmp_path, local_cluster, baseline):
-    local_cluster(nodes=3)
+def test_sigterm_to_a_worker_checkpoints_then_shrinks_without_losing_a_step(tmp_path, cluster, baseline):
     run = tmp_path / "run"
 
     signal_rank_after(run, 12, 1, signal.SIGTERM)  # a spot reclaim of rank 1's node, mid-round
@@ -268,7 +258,7 @@ def test_sigterm_to_a_worker_checkpoints_then_shrinks_without_losing_a_step(tmp_
     assert_continues(run, baseline)
 
 
-def test_a_small_memory_budget_is_kept_on_disk_and_a_fault_on_most_nodes_excludes_none(tmp_path, local_cluster,
+def test_a_small_memory_budget_is_kept_on_disk_and_a_fault_on_most_nodes_excludes_none(tmp_path, cluster,
                                                                                           baseline):
     """Each node's tier may hold 3 MB: about one step with its peer copy (a step is ~2.2 MB over
     three nodes, each node holding its own files and its predecessor's). Saves every 5 steps drop
@@ -277,7 +267,6 @@ def test_a_small_memory_budget_is_kept_on_disk_and_a_fault_on_most_nodes_exclude
     nodes, which counts toward no node's exclusion (threshold 1)."""
     from benchmarks.memory_pressure import TierSampler
 
-    local_cluster(nodes=3)
     run, shm = tmp_path / "run", tmp_path / "shm"
     budget = 3_000_000
     data = spec_dict(run, 30, {"every_n_steps": 10, "fast_every_n_steps": 5, "memory_keep_last": 3,

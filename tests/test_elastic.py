@@ -17,11 +17,12 @@ import pytest
 
 from airay import JobConfig, fit
 from airay.events import committed_losses, read_jsonl
-from tests.conftest import assert_released, signal_rank_after
+from tests.conftest import assert_released, connected, signal_rank_after
 
 pytestmark = pytest.mark.cluster
 
 RTOL = 1e-4
+SHARED_NODES = 4  # one cluster for the module's runs of 4 workers (tests.conftest.shared_cluster)
 
 
 def spec(tmp_path, name, zero_stage=2, chaos=(), **overrides):
@@ -65,96 +66,8 @@ def assert_same_losses(run, baseline):
     assert all(ids == list(range(16 * step, 16 * (step + 1))) for step, ids in samples.items())
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory):
-    """Fault-free 4-worker runs, one per ZeRO stage, computed once for the module."""
-    from tests.conftest import LocalCluster, LocalClusterSpec
-    import ray
-
-    out = {}
-    lc = LocalCluster(LocalClusterSpec(local_nodes=4, cpus_per_node=1))
-    ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
-    try:
-        for stage in (2, 3):
-            # No forward delay: it paces the faulty runs (a sleep), it does not change the math.
-            result = fit(spec(tmp_path_factory.mktemp("base"), f"base-z{stage}", stage,
-                              model={"factory": "airay.models.tiny_gpt:build"}), echo=False)
-            assert result.status == "finished" and result.world_sizes == [4] and result.restarts == 0
-            out[stage] = result
-        assert_released()
-    finally:
-        ray.shutdown()
-        lc.shutdown()
-    return out
-
-
-def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, local_cluster, baselines, zero_stage=3):
-    """ZeRO-3 (every parameter partitioned: the hardest state to reshard); ZeRO-2 shrinks and
-    regrows with equal losses in test_node_loss_then_node_added and tests/test_fault_matrix.py.
-    The kill comes from outside while rounds are pipelined (rounds of 2, checkpoints every 10):
-    the rank dies with the next round queued behind the one it runs."""
-    local_cluster(nodes=4)
-    cfg = spec(tmp_path, f"kill-z{zero_stage}", zero_stage, steps_per_round=2, checkpoint={"every_n_steps": 10})
-    killer = signal_rank_after(Path(cfg.run_dir), 13, 1, signal.SIGKILL)  # while 14-15 run, 16-17 queued
-    result = fit(cfg, echo=False)
-    killer.join(1)
-    assert result.status == "finished" and result.final_step == 60
-    assert result.world_sizes == [4, 3, 4]
-    (failed,) = events(result, "worker_failed")
-    assert (failed["rank"], failed["outcome"]) == (1, "died") and failed["step"] in (14, 16)
-    (dropped,) = events(result, "queued_round_dropped")
-    assert (dropped["step"], dropped["end"], dropped["lost_ranks"]) == (failed["step"] + 2, failed["step"] + 4, [])
-    shrink, grow = events(result, "resize_finished")
-    assert (shrink["old_world_size"], shrink["new_world_size"], shrink["resumed_step"]) == (4, 3, 10)
-    assert shrink["recovery_s"] > 0 and shrink["reason"] == "failure"
-    assert (grow["old_world_size"], grow["new_world_size"], grow["reason"]) == (3, 4, "grow")
-    loaded = events(result, "checkpoint_loaded")
-    assert [(e["step"], e["saved_world_size"], e["world_size"]) for e in loaded][0] == (10, 4, 3)
-    assert loaded[1]["step"] == grow["resumed_step"] and loaded[1]["world_size"] == 4
-    assert_same_losses(result, baselines[zero_stage])
-    assert_released()
-
-
-def test_node_loss_then_node_added(tmp_path, local_cluster, baselines):
-    lc = local_cluster(nodes=4)
-    # Slower steps (the sleep does not change the math: losses still equal the baseline's) leave
-    # the replacement on the new node, a cold process, time to start and warm up before step 60.
-    slow = {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.16}}
-    # Checksums per 4 KiB (the partitions are ~100 KB): each new rank reads and verifies only the
-    # chunks of the old partitions it needs, from the surviving nodes' stores.
-    result = fit(spec(tmp_path, "node", 2, chaos=[{"fault": "remove_node", "at_step": 7, "rank": 2},
-                                                   {"fault": "add_node", "at_step": 12}], model=slow,
-                      checkpoint={"every_n_steps": 5, "chunk_mib": 4 / 1024}),
-                 echo=False, local_cluster=lc)
-    assert result.status == "finished" and result.world_sizes == [4, 3, 4]
-    lost = events(result, "node_lost")
-    assert len(lost) == 1 and lost[0]["rank"] == 2 and lost[0]["step"] == 7
-    shrink, grow = events(result, "resize_finished")
-    assert (shrink["new_world_size"], shrink["resumed_step"]) == (3, 5)
-    assert grow["new_world_size"] == 4 and grow["resumed_step"] >= 12
-    for loaded in events(result, "checkpoint_loaded"):  # the shrink's load and the grow's
-        assert loaded["resharded"] and loaded["partial_files"] >= 4, loaded
-        assert loaded["bytes_needed"] <= loaded["bytes_read"] < 1.5 * loaded["bytes_needed"], loaded
-    assert_same_losses(result, baselines[2])
-    assert_released()
-
-
-def test_below_min_workers_fails_cleanly_and_keeps_checkpoints(tmp_path, local_cluster):
-    lc = local_cluster(nodes=4)
-    cfg = spec(tmp_path, "fail", 2, chaos=[{"fault": "remove_node", "at_step": 7, "rank": 0}],
-               scaling={"min_workers": 4, "max_workers": 4}, timeouts={"capacity_wait_s": 3})
-    result = fit(cfg, echo=False, local_cluster=lc)
-    assert result.status == "failed"
-    assert "below scaling.min_workers=4" in result.error and "capacity_wait_s" in result.error
-    assert events(result, "run_failed")[0]["error"] == result.error
-    assert json.loads(open(f"{result.run_dir}/result.json").read())["status"] == "failed"
-    from airay.checkpoint.tiers import DurableTier
-
-    # Nothing lost: the durable step 5 is complete (no job check needed to list it).
-    assert [c.step for c in DurableTier(f"{result.run_dir}/checkpoints", {}).complete()] == [5]
-    assert_released()
-
-
+# First: its cluster of GPU nodes starts before the module's shared one (two clusters up at once
+# slow each other down).
 def test_one_gpu_per_rank_on_multi_gpu_nodes(tmp_path, local_cluster):
     """2 nodes x 2 logical GPUs, the second node's raylet under CUDA_VISIBLE_DEVICES=6,7 (as SLURM
     or Kubernetes hand a node a subset). Bundles default to {GPU: 1}; each rank reports, from
@@ -193,8 +106,86 @@ def test_one_gpu_per_rank_on_multi_gpu_nodes(tmp_path, local_cluster):
     assert_released()
 
 
-def test_user_code_error_fails_fast_with_rank_and_traceback(tmp_path, local_cluster):
-    local_cluster(nodes=2)
+@pytest.fixture(scope="module")
+def baselines(shared_cluster, tmp_path_factory):
+    """Fault-free 4-worker runs, one per ZeRO stage, computed once for the module."""
+    out = {}
+    with connected(shared_cluster):
+        for stage in (2, 3):
+            # No forward delay: it paces the faulty runs (a sleep), it does not change the math.
+            result = fit(spec(tmp_path_factory.mktemp("base"), f"base-z{stage}", stage,
+                              model={"factory": "airay.models.tiny_gpt:build"}), echo=False)
+            assert result.status == "finished" and result.world_sizes == [4] and result.restarts == 0
+            out[stage] = result
+        assert_released()
+    return out
+
+
+def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, cluster, baselines, zero_stage=3):
+    """ZeRO-3 (every parameter partitioned: the hardest state to reshard); ZeRO-2 shrinks and
+    regrows with equal losses in test_node_loss_then_node_added and tests/test_fault_matrix.py.
+    The kill comes from outside while rounds are pipelined (rounds of 2, checkpoints every 10):
+    the rank dies with the next round queued behind the one it runs."""
+    cfg = spec(tmp_path, f"kill-z{zero_stage}", zero_stage, steps_per_round=2, checkpoint={"every_n_steps": 10})
+    killer = signal_rank_after(Path(cfg.run_dir), 13, 1, signal.SIGKILL)  # while 14-15 run, 16-17 queued
+    result = fit(cfg, echo=False)
+    killer.join(1)
+    assert result.status == "finished" and result.final_step == 60
+    assert result.world_sizes == [4, 3, 4]
+    (failed,) = events(result, "worker_failed")
+    assert (failed["rank"], failed["outcome"]) == (1, "died") and failed["step"] in (14, 16)
+    (dropped,) = events(result, "queued_round_dropped")
+    assert (dropped["step"], dropped["end"], dropped["lost_ranks"]) == (failed["step"] + 2, failed["step"] + 4, [])
+    shrink, grow = events(result, "resize_finished")
+    assert (shrink["old_world_size"], shrink["new_world_size"], shrink["resumed_step"]) == (4, 3, 10)
+    assert shrink["recovery_s"] > 0 and shrink["reason"] == "failure"
+    assert (grow["old_world_size"], grow["new_world_size"], grow["reason"]) == (3, 4, "grow")
+    loaded = events(result, "checkpoint_loaded")
+    assert [(e["step"], e["saved_world_size"], e["world_size"]) for e in loaded][0] == (10, 4, 3)
+    assert loaded[1]["step"] == grow["resumed_step"] and loaded[1]["world_size"] == 4
+    assert_same_losses(result, baselines[zero_stage])
+    assert_released()
+
+
+def test_node_loss_then_node_added(tmp_path, cluster, baselines):
+    # Slower steps (the sleep does not change the math: losses still equal the baseline's) leave
+    # the replacement on the new node, a cold process, time to start and warm up before step 60.
+    slow = {"factory": "airay.models.tiny_gpt:build", "kwargs": {"forward_delay_s": 0.16}}
+    # Checksums per 4 KiB (the partitions are ~100 KB): each new rank reads and verifies only the
+    # chunks of the old partitions it needs, from the surviving nodes' stores.
+    result = fit(spec(tmp_path, "node", 2, chaos=[{"fault": "remove_node", "at_step": 7, "rank": 2},
+                                                   {"fault": "add_node", "at_step": 12}], model=slow,
+                      checkpoint={"every_n_steps": 5, "chunk_mib": 4 / 1024}),
+                 echo=False, local_cluster=cluster)
+    assert result.status == "finished" and result.world_sizes == [4, 3, 4]
+    lost = events(result, "node_lost")
+    assert len(lost) == 1 and lost[0]["rank"] == 2 and lost[0]["step"] == 7
+    shrink, grow = events(result, "resize_finished")
+    assert (shrink["new_world_size"], shrink["resumed_step"]) == (3, 5)
+    assert grow["new_world_size"] == 4 and grow["resumed_step"] >= 12
+    for loaded in events(result, "checkpoint_loaded"):  # the shrink's load and the grow's
+        assert loaded["resharded"] and loaded["partial_files"] >= 4, loaded
+        assert loaded["bytes_needed"] <= loaded["bytes_read"] < 1.5 * loaded["bytes_needed"], loaded
+    assert_same_losses(result, baselines[2])
+    assert_released()
+
+
+def test_below_min_workers_fails_cleanly_and_keeps_checkpoints(tmp_path, cluster):
+    cfg = spec(tmp_path, "fail", 2, chaos=[{"fault": "remove_node", "at_step": 7, "rank": 0}],
+               scaling={"min_workers": 4, "max_workers": 4}, timeouts={"capacity_wait_s": 3})
+    result = fit(cfg, echo=False, local_cluster=cluster)
+    assert result.status == "failed"
+    assert "below scaling.min_workers=4" in result.error and "capacity_wait_s" in result.error
+    assert events(result, "run_failed")[0]["error"] == result.error
+    assert json.loads(open(f"{result.run_dir}/result.json").read())["status"] == "failed"
+    from airay.checkpoint.tiers import DurableTier
+
+    # Nothing lost: the durable step 5 is complete (no job check needed to list it).
+    assert [c.step for c in DurableTier(f"{result.run_dir}/checkpoints", {}).complete()] == [5]
+    assert_released()
+
+
+def test_user_code_error_fails_fast_with_rank_and_traceback(tmp_path, cluster):
     result = fit(spec(tmp_path, "bad-model", 2, scaling={"min_workers": 1, "max_workers": 2},
                       model={"factory": "airay.models.tiny_gpt:build", "kwargs": {"n_layerz": 2}}), echo=False)
     assert result.status == "failed" and result.restarts == 0 and result.world_sizes == []

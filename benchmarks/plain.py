@@ -3,7 +3,8 @@
 A baseline process joins a torch.distributed world (gloo on CPU, NCCL on CUDA) and builds its
 engine with the same `build_engine` and batch plan airay's workers use, so the two sides differ
 only in what airay adds around them. DeepSpeed's CPU shared-memory op is disabled as airay does:
-otherwise a 30 s JIT build of an op neither side uses.
+otherwise a 30 s JIT build of an op neither side uses. DeepSpeed is imported as airay's workers
+import it (without its autotuner's MLflow import: about 0.8 CPU-s a process here).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any
 def join_world(rank: int, world: int, port: int | None, device: str = "cpu") -> None:
     """This process becomes `rank` of a `world`-rank process group at 127.0.0.1:`port`; with
     `port` None the group exists already (Ray Train made it) and DeepSpeed adopts it."""
-    import deepspeed
     import torch
 
-    from airay.worker.deepspeed_compat import disable_cpu_shm_comm
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm, import_deepspeed
+
+    deepspeed = import_deepspeed()
 
     cuda = device.startswith("cuda")
     if cuda:

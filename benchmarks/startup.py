@@ -181,11 +181,13 @@ def cpu_child(spec_path: str) -> None:
     """A fresh process doing one worker's start-up work; prints its CPU seconds (and its children's)."""
     import resource
 
-    import deepspeed  # noqa: F401
     import ray  # noqa: F401
     import torch  # noqa: F401
 
     import airay.worker.actor  # noqa: F401
+    from airay.worker.deepspeed_compat import import_deepspeed
+
+    import_deepspeed()  # as a worker does
     from airay.config import JobConfig
     from airay.worker.dist import free_port
 

@@ -191,3 +191,20 @@ def test_zero3_memory_limits_follow_the_largest_parameter_and_never_override_the
     # What the spec sets stays, under either of DeepSpeed's names.
     assert set(zero3_memory_defaults({"reduce_bucket_size": 5, "max_live_parameters": 7}, 10**7)) == \
         {"stage3_prefetch_bucket_size", "stage3_max_reuse_distance"}
+
+
+def test_a_rank_imports_deepspeed_without_its_autotuners_mlflow_import_and_mlflow_still_imports_after():
+    # In a fresh interpreter, as a rank's process is: DeepSpeed's autotuner imports MLflow when it
+    # is installed (1.2 s of the import here); through airay it must not, and MLflow must work after.
+    import subprocess
+    import sys
+
+    code = ("import sys; from airay.worker.deepspeed_compat import import_deepspeed; import_deepspeed(); "
+            "import deepspeed.autotuning.autotuner as a; print('mlflow' in sys.modules, a.has_mlflow); "
+            "import mlflow; print(mlflow.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-3:] == ["False", "False", "mlflow"], out.stdout + out.stderr  # after DeepSpeed's notice
+    # Undone (a plain import), the autotuner imports MLflow: the check above can fail.
+    plain = subprocess.run([sys.executable, "-c", "import sys, deepspeed; print('mlflow' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120, check=True)
+    assert plain.stdout.split()[-1:] == ["True"]

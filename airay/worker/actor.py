@@ -20,7 +20,8 @@ from airay.config import JobConfig, resolve_callable
 from airay.data.source import StreamedSource, SyntheticSource
 from airay.events import process_start_ts
 from airay.policy import BatchPlan
-from airay.worker.deepspeed_compat import disable_cpu_shm_comm, release_parallel_groups, reset_zero3_globals
+from airay.worker.deepspeed_compat import disable_cpu_shm_comm, import_deepspeed, release_parallel_groups, \
+    reset_zero3_globals
 from airay.worker.device import assign_device
 from airay.worker.dist import NCCL_ENV, abort_nccl_groups, collective_counts, group_status, listen_socket, \
     rendezvous_store, reset_group_count, shutdown_sockets, tcp_socket_fds
@@ -154,8 +155,7 @@ class TrainWorker:
     def ready(self) -> dict[str, Any]:
         """Up, with DeepSpeed imported: enough for a world that forms at once (the run's first),
         whose join builds the engine anyway. Returns info() and the start-up timeline."""
-        import deepspeed  # noqa: F401
-
+        import_deepspeed()
         self.timeline["ready_ts"] = time.time()
         return {**self.info(), "timeline": dict(self.timeline)}
 
@@ -199,7 +199,7 @@ class TrainWorker:
 
     def _join(self, rank: int, world_size: int, master_addr: str, master_port: int, plan: dict[str, int],
               t0: float, init_weights: bool, stand_in: bool) -> dict[str, float]:
-        import deepspeed
+        deepspeed = import_deepspeed()
         import deepspeed.comm as dist
         import torch.distributed as tdist
 

@@ -6,6 +6,31 @@ Pinned in pyproject.toml (deepspeed>=0.19,<0.20): a DeepSpeed upgrade re-checks 
 from __future__ import annotations
 
 
+def import_deepspeed():
+    """Import DeepSpeed without the MLflow import its autotuner makes.
+
+    deepspeed 0.19: deepspeed.runtime.config imports deepspeed.autotuning, whose autotuner runs
+    `import mlflow` whenever MLflow is installed (airay[mlflow] installs it): about 0.8 CPU-s of
+    the 4.8 a rank's process spends here up to its first step, for a tuner only DeepSpeed's
+    launcher runs. While
+    DeepSpeed is imported, `import mlflow` fails (a None in sys.modules), so the autotuner records
+    has_mlflow = False; afterwards MLflow imports as usual. A process that has MLflow imported
+    already gains nothing and loses nothing."""
+    import sys
+
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed
+    finally:
+        if sys.modules.get("mlflow", 0) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def reset_zero3_globals() -> None:
     # ZeRO-3 numbers parameters and modules from process-wide counters (deepspeed 0.19:
     # zero.Init.param_id, and the mutable default `count=[0]` of

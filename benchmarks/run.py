@@ -65,7 +65,7 @@ SCRIPT: dict[str, str] = {}  # sections run by another section's script
 TIMEOUT_S = {"goodput": 3 * 3600}  # seconds a section may run (default 30 min)
 REDUCED = {
     "recovery": ["--repeats", "1"],
-    "overhead": ["--min-pairs", "2", "--max-pairs", "2", "--window", "1.5"],
+    "overhead": ["--min-pairs", "2", "--max-pairs", "2", "--window", "1.5", "--warmup", "3"],
     "decision": ["--workers", "256", "--repeats", "3"],
     "driver_scale": ["--reduced"],
     "raytrain": ["--faults", "worker", "--repeats", "1", "--steps", "10", "--fault-step", "6"],

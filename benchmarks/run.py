@@ -200,6 +200,10 @@ def render_startup(st: dict) -> list[str]:
                   f"lazy ones included) and one step; {f['workers']} such processes on {f['cores']} cores take at "
                   f"least **{f['wall_floor_s']:.1f} s** of wall, whoever starts them, before Ray's own start "
                   "(cluster, daemons) is counted."]
+        if "plain_import_worker_cpu_s" in f:
+            lines[-1] += (f" With DeepSpeed imported plainly (its autotuner's MLflow import, torch.compile resolving "
+                          f"its backend for the Muon kernels) the same process spends {f['plain_import_worker_cpu_s']:.2f} "
+                          "CPU-s.")
     return lines
 
 
@@ -828,8 +832,10 @@ def readme_startup(results: dict) -> list[str]:
     out[-1] += "."
     if "floor" in s["result"]:
         f = s["result"]["floor"]
-        out[-1] += (f" Floor: one cold worker's imports, first engine and step take {f['worker_cpu_s']:.1f} CPU-s; "
-                    f"{f['workers']} of them on {f['cores']} cores at least {f['wall_floor_s']:.1f} s of wall.")
+        plain = (f" ({f['plain_import_worker_cpu_s']:.1f} with DeepSpeed imported plainly)"
+                 if "plain_import_worker_cpu_s" in f else "")
+        out[-1] += (f" Floor: one cold worker's imports, first engine and step take {f['worker_cpu_s']:.1f} CPU-s"
+                    f"{plain}; {f['workers']} of them on {f['cores']} cores at least {f['wall_floor_s']:.1f} s of wall.")
     return out
 
 

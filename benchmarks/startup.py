@@ -23,6 +23,8 @@ Each launch is a fresh process, timed from just before it is spawned; the sides 
              DeepSpeed, Ray and airay's worker, build a one-rank engine of the job, one step),
              times 4 workers over this machine's cores: wall time no start-up of 4 fresh worker
              processes can go below here, whoever starts them (Ray's own daemons not counted).
+             Measured twice, alternating: DeepSpeed imported as airay's workers import it
+             (airay.worker.deepspeed_compat.import_deepspeed) and with a plain `import deepspeed`.
 
 Usage: python benchmarks/startup.py [--repeats 3] [--baseline REF] [--json F]
 """
@@ -177,17 +179,25 @@ def run_ray_train(tmp: Path) -> dict[str, float]:
 
 # ---- the floor: one cold worker's CPU ------------------------------------------------------------
 
-def cpu_child(spec_path: str) -> None:
-    """A fresh process doing one worker's start-up work; prints its CPU seconds (and its children's)."""
+def cpu_child(spec_path: str, plain_import: bool = False) -> None:
+    """A fresh process doing one worker's start-up work; prints its CPU seconds (and its children's).
+    `plain_import`: DeepSpeed imported plainly (everywhere: benchmarks.plain's bootstrap included)."""
     import resource
 
     import ray  # noqa: F401
     import torch  # noqa: F401
 
     import airay.worker.actor  # noqa: F401
-    from airay.worker.deepspeed_compat import import_deepspeed
+    from airay.worker import deepspeed_compat
 
-    import_deepspeed()  # as a worker does
+    if plain_import:
+        def plain():
+            import deepspeed
+
+            return deepspeed
+
+        deepspeed_compat.import_deepspeed = plain
+    deepspeed_compat.import_deepspeed()  # as a worker does
     from airay.config import JobConfig
     from airay.worker.dist import free_port
 
@@ -198,11 +208,11 @@ def cpu_child(spec_path: str) -> None:
     print(json.dumps({"cpu_s": own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime}))
 
 
-def worker_cpu(tmp: Path) -> float:
+def worker_cpu(tmp: Path, plain_import: bool = False) -> float:
     spec = tmp / f"job-{time.time_ns()}.yaml"
     spec.write_text(yaml.safe_dump(job_spec(tmp / "unused")))
-    proc = subprocess.run([sys.executable, __file__, "--cpu-child", str(spec)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    proc = subprocess.run([sys.executable, __file__, "--cpu-child", str(spec)] + ["--plain-import"] * plain_import,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"the cold-worker process failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["cpu_s"]
@@ -229,12 +239,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ray-train-child", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--cpu-child", help=argparse.SUPPRESS)
+    p.add_argument("--plain-import", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.ray_train_child:
         ray_train_child(args.ray_train_child, args.spec)
         return {}
     if args.cpu_child:
-        cpu_child(args.cpu_child)
+        cpu_child(args.cpu_child, args.plain_import)
         return {}
 
     runs: dict[str, list[dict[str, float]]] = {"airay": [], "ray_train": [], "baseline": []}
@@ -250,7 +261,10 @@ def main(argv: list[str] | None = None) -> dict:
                     runs["baseline"].append(run_airay(tmp, src))
                 print(f"repeat {i}: " + ", ".join(f"{side} {r[-1]['total']:.1f} s" for side, r in runs.items() if r),
                       flush=True)
-            cpu = [worker_cpu(tmp) for _ in range(args.repeats)]
+            cpu, cpu_plain = [], []
+            for _ in range(args.repeats):  # alternating
+                cpu.append(worker_cpu(tmp))
+                cpu_plain.append(worker_cpu(tmp, plain_import=True))
         finally:
             if src is not None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(src)], cwd=ROOT, capture_output=True)
@@ -267,8 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  Ray Train / airay: {med['ray_train']['total'] / med['airay']['total']:.2f}x (target > 1)")
     cores = os.cpu_count() or 1
     floor = {"worker_cpu_s": statistics.median(cpu), "runs": cpu, "workers": WORKERS, "cores": cores,
-             "wall_floor_s": WORKERS * statistics.median(cpu) / min(cores, WORKERS)}
-    print(f"  floor: one cold worker's imports, first engine and step take {floor['worker_cpu_s']:.2f} CPU-s; "
+             "wall_floor_s": WORKERS * statistics.median(cpu) / min(cores, WORKERS),
+             "plain_import_worker_cpu_s": statistics.median(cpu_plain), "plain_import_runs": cpu_plain}
+    print(f"  floor: one cold worker's imports, first engine and step take {floor['worker_cpu_s']:.2f} CPU-s "
+          f"({floor['plain_import_worker_cpu_s']:.2f} with DeepSpeed imported plainly); "
           f"{WORKERS} workers on {cores} cores >= {floor['wall_floor_s']:.1f} s of wall")
     out = {"args": vars(args), "runs": runs, "median": med, "floor": floor}
     if args.json:

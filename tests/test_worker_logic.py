@@ -193,18 +193,24 @@ def test_zero3_memory_limits_follow_the_largest_parameter_and_never_override_the
         {"stage3_prefetch_bucket_size", "stage3_max_reuse_distance"}
 
 
-def test_a_rank_imports_deepspeed_without_its_autotuners_mlflow_import_and_mlflow_still_imports_after():
-    # In a fresh interpreter, as a rank's process is: DeepSpeed's autotuner imports MLflow when it
-    # is installed (1.2 s of the import here); through airay it must not, and MLflow must work after.
+def test_a_rank_imports_deepspeed_without_mlflow_or_compiling_muon_and_both_still_work_after():
+    # In a fresh interpreter, as a rank's process is. DeepSpeed's autotuner imports MLflow when it
+    # is installed, and its Muon module (which every ZeRO optimizer imports) applies torch.compile
+    # when its functions are defined, importing torch._inductor: through airay neither happens,
+    # MLflow still imports, and a Muon function is still the one compiled (at its first call).
     import subprocess
     import sys
 
     code = ("import sys; from airay.worker.deepspeed_compat import import_deepspeed; import_deepspeed(); "
-            "import deepspeed.autotuning.autotuner as a; print('mlflow' in sys.modules, a.has_mlflow); "
-            "import mlflow; print(mlflow.__name__)")
+            "import deepspeed.autotuning.autotuner as a; from deepspeed.runtime.zero.muon import original_muon as m; "
+            "print('mlflow' in sys.modules, a.has_mlflow, 'torch._inductor.compile_fx' in sys.modules, "
+            "m.zeropower_via_newtonschulz5.__wrapped__.__code__.co_name); import mlflow; print(mlflow.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split()[-3:] == ["False", "False", "mlflow"], out.stdout + out.stderr  # after DeepSpeed's notice
-    # Undone (a plain import), the autotuner imports MLflow: the check above can fail.
-    plain = subprocess.run([sys.executable, "-c", "import sys, deepspeed; print('mlflow' in sys.modules)"],
+    # (after DeepSpeed's notice on stdout)
+    assert out.stdout.split()[-5:] == ["False", "False", "False", "zeropower_via_newtonschulz5", "mlflow"], \
+        out.stdout + out.stderr
+    # A plain import pays both: the checks above can fail.
+    plain = subprocess.run([sys.executable, "-c", "import sys, deepspeed; from deepspeed.runtime.zero.muon import "
+                            "original_muon; print('mlflow' in sys.modules, 'torch._inductor.compile_fx' in sys.modules)"],
                            capture_output=True, text=True, timeout=120, check=True)
-    assert plain.stdout.split()[-1:] == ["True"]
+    assert plain.stdout.split()[-2:] == ["True", "True"]

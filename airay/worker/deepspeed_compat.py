@@ -5,30 +5,65 @@ Pinned in pyproject.toml (deepspeed>=0.19,<0.20): a DeepSpeed upgrade re-checks 
 
 from __future__ import annotations
 
+import contextlib
+
 
 def import_deepspeed():
-    """Import DeepSpeed without the MLflow import its autotuner makes.
+    """Import DeepSpeed without the work its import and first engine do for features airay does
+    not use, in every rank's process (one process to its first step of benchmarks.startup's job
+    here: 4.3-4.6 CPU-s with a plain import, 3.2 this way):
 
-    deepspeed 0.19: deepspeed.runtime.config imports deepspeed.autotuning, whose autotuner runs
-    `import mlflow` whenever MLflow is installed (airay[mlflow] installs it): about 0.8 CPU-s of
-    the 4.8 a rank's process spends here up to its first step, for a tuner only DeepSpeed's
-    launcher runs. While
-    DeepSpeed is imported, `import mlflow` fails (a None in sys.modules), so the autotuner records
-    has_mlflow = False; afterwards MLflow imports as usual. A process that has MLflow imported
-    already gains nothing and loses nothing."""
+    - deepspeed.runtime.config imports deepspeed.autotuning, whose autotuner runs `import mlflow`
+      whenever MLflow is installed (airay[mlflow] installs it), for a tuner only DeepSpeed's
+      launcher runs. While DeepSpeed is imported, `import mlflow` fails (a None in sys.modules),
+      so the autotuner records has_mlflow = False; afterwards MLflow imports as usual. A process
+      that has MLflow imported already gains nothing and loses nothing.
+    - every ZeRO optimizer imports DeepSpeed's Muon module to ask whether its optimizer is Muon,
+      and that module's `@compiler.compile()` functions make torch.compile resolve its backend
+      when they are defined (importing torch._inductor); see compile_at_first_call.
+    """
     import sys
 
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         import deepspeed
+    else:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+        try:
+            import deepspeed
+        finally:
+            if sys.modules.get("mlflow", 0) is None:
+                del sys.modules["mlflow"]
+    from deepspeed.runtime import compiler
 
-        return deepspeed
-    sys.modules["mlflow"] = None  # type: ignore[assignment]
-    try:
-        import deepspeed
-    finally:
-        if sys.modules.get("mlflow", 0) is None:
-            del sys.modules["mlflow"]
+    compiler.compile = compile_at_first_call
     return deepspeed
+
+
+def compile_at_first_call():
+    """deepspeed.runtime.compiler.compile() (deepspeed 0.19: the decorator its Muon kernels are
+    defined with), with torch.compile applied at the function's first call instead of at its
+    definition: the same compiled function for a run that uses Muon, nothing for one that
+    only imports the module. Traced from inside another compiled function, it is inlined, as a
+    torch.compile'd function is."""
+    import functools
+
+    import torch
+
+    def decorate(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            if compiled is None:
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def reset_zero3_globals() -> None:
@@ -81,8 +116,6 @@ def zero3_consolidation_shapes():
     """deepspeed 0.19's zero_to_fp32 calls `.numel()` on ZeRO-3 parameter shapes, which ZeRO-3
     records as tuples (its ZeRO-1/2 path handles both): a context in which the model states it
     parses carry torch.Size shapes (airay.export)."""
-    import contextlib
-
     import torch
     from deepspeed.utils import zero_to_fp32
 

@@ -11,7 +11,9 @@ import multiprocessing
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "deepspeed", "airay.worker.engine", "airay.checkpoint.reshard", "airay.models.tiny_gpt"]
+# DeepSpeed's Muon module too: every ZeRO optimizer imports it, and its import compiles (torch._inductor).
+PRELOAD = ["torch", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "airay.worker.engine",
+           "airay.checkpoint.reshard", "airay.models.tiny_gpt"]
 multiprocessing.set_forkserver_preload(PRELOAD)
 
 

@@ -1,22 +1,26 @@
-"""glibc's malloc thresholds against a rank's build memory and its step time (ZeRO-3, CPU).
+"""glibc's heap against a rank's build memory and its step time (ZeRO-3, CPU).
 
-A question left open, not a setting of airay: glibc raises its mmap threshold to the size of
-each mapped block freed (up to 32 MiB) and keeps blocks under it in its heap once freed, so the
-peak RSS of a rank building a ZeRO-3 model partitioned varies from build to build (the sweep's
-build column: 0.48-0.67 of the model's bytes). Fixing the threshold makes it follow what the rank
-holds, at a cost to the step: every gathered parameter over the threshold is mapped (and
-zeroed by the kernel) again on every forward and backward.
+glibc raises its mmap threshold to the size of each mapped block freed (up to 32 MiB) and keeps
+blocks under it in its heap once freed, so the peak RSS of a rank building a ZeRO-3 model
+partitioned varied from build to build (the sweep's build column: 0.48-0.67 of the model's
+bytes). Fixing the threshold makes it follow what the rank holds, at a cost to the step: every
+gathered parameter over the threshold is mapped (and zeroed by the kernel) again on every
+forward and backward. airay's answer leaves the thresholds alone and hands the heap's free
+pages back while it builds (airay.worker.build.trimming_heap: malloc_trim each time 4 MiB of
+parameters have been partitioned away).
 
 Each turn runs a gloo world of WORLD processes (this machine's CPUs, no Ray) twice: glibc's
-default, then `--variant`'s thresholds; each builds the tiny GPT under zero.Init (peak RSS of the
+default, then `--variant`; each builds the tiny GPT under zero.Init (peak RSS of the
 build over the model's fp32 bytes, per rank), builds its engine and times `--steps` steps (the
-slowest rank's, the first left out of the median):
+slowest rank's, the first left out of the median). "default" is glibc's defaults with airay's
+trimming turned off (TRIM_EVERY_BYTES = 0); the variants:
 
+  trim:     airay's build as it is (its heap trimmed while building; glibc's thresholds as they are)
   fixed:    M_MMAP_THRESHOLD 128 KiB from the start (mallopt)
   build:    128 KiB while building, then 32 MiB with M_TRIM_THRESHOLD 64 MiB (glibc's dynamic
             values at their largest) for the steps
 
-Usage: python benchmarks/zero3_malloc.py [--d-model 1024] [--stage 3] [--turns 2] [--steps 5] [--variant build]
+Usage: python benchmarks/zero3_malloc.py [--d-model 1024] [--stage 3] [--turns 2] [--steps 5] [--variant trim]
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ def _world(rank, port, results, d_model, stage, variant, steps):
     sys.path.insert(0, str(ROOT))
     if variant in ("fixed", "build"):
         mallopt(M_MMAP_THRESHOLD, 128 << 10)
+    from airay.worker import build
+
+    if variant != "trim":
+        build.TRIM_EVERY_BYTES = 0
     from airay.data.source import SyntheticSource
     from airay.models import tiny_gpt
     from airay.policy import plan_batch
@@ -96,7 +104,7 @@ def main() -> int:
     ap.add_argument("--stage", type=int, default=3)
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--variant", choices=("fixed", "build"), default="build")
+    ap.add_argument("--variant", choices=("trim", "fixed", "build"), default="trim")
     args = ap.parse_args()
     for turn in range(args.turns):
         for variant in ("default", args.variant):

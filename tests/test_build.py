@@ -79,13 +79,13 @@ def _world(rank, port, results):
     results[rank] = out
 
 
-def test_zero3_builds_each_rank_only_its_partition_with_the_whole_models_weights(monkeypatch):
-    # A fixed mmap threshold: glibc then serves every allocation over 128 KiB from mmap and hands
-    # it back when freed, so the peak RSS follows what the rank holds; glibc's default threshold
-    # moves up with the sizes freed and keeps freed layers in its heap, a few MB either way.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+def test_zero3_builds_each_rank_only_its_partition_with_the_whole_models_weights():
+    # glibc as it is (no malloc variables): airay hands the heap's free pages back while it builds
+    # (airay.worker.build.trimming_heap). With TRIM_EVERY_BYTES = 0 this fails on every try here
+    # (a rank's first build at 0.60-0.72 of the model's bytes: the freed layers kept in the heap);
+    # with it, 0.33-0.38 on every rank. Ranks start fresh (spawn), as Ray starts a worker: forked
+    # from tests.worlds' server, whose heap they inherit, the same build peaks at 0.47.
     results = mp.Manager().dict()
-    # Started fresh (spawn, not tests.worlds' preloaded server), so glibc reads the variable above.
     mp.spawn(_world, args=(_port(), results), nprocs=WORLD)
     results = dict(results)
     assert sorted(results) == list(range(WORLD))
@@ -99,8 +99,8 @@ def test_zero3_builds_each_rank_only_its_partition_with_the_whole_models_weights
         assert model_bytes > 90e6
         # Peak RSS while building: the partition (a quarter) plus a layer, not the model; the same
         # process building it whole peaks at the model's bytes (the measurement sees a whole build).
-        assert r["init"]["peak"] < 0.5 * model_bytes, (rank, r["init"]["peak"], model_bytes)
-        assert r["for_load"]["peak"] < 0.5 * model_bytes, (rank, r["for_load"]["peak"], model_bytes)
+        assert r["init"]["peak"] < 0.45 * model_bytes, (rank, r["init"]["peak"], model_bytes)
+        assert r["for_load"]["peak"] < 0.45 * model_bytes, (rank, r["for_load"]["peak"], model_bytes)
         assert r["whole_peak"] > 0.9 * model_bytes, (rank, r["whole_peak"])
         assert r["equal"], rank  # the same initial weights as the whole model from the same seed
         assert "builds_partitioned = True" in r["unmarked"] and "LlamaForCausalLM" in r["unmarked"]

@@ -51,6 +51,46 @@ def _keep(tensor, *args, **kwargs):
     return tensor
 
 
+# glibc keeps the blocks a process frees below its mmap threshold (dynamic: raised to each mapped
+# block freed, up to 32 MiB) in its heap: each layer's full parameters, freed once zero.Init has
+# partitioned them, leave holes that the partitions allocated after them pin, so a build's peak
+# RSS grew with what the process had freed rather than with what it holds (0.48-0.67 of the
+# model's bytes at 101M on 4 ranks, whose partition is 0.25: benchmarks/zero3_malloc.py). Handing
+# the free pages back each time this many bytes of such parameters have been freed keeps the peak
+# near the partitions plus a layer; 0 turns it off. Tensors of 32 MiB and more are mapped and
+# unmapped by glibc itself: they do not count.
+TRIM_EVERY_BYTES = 4 << 20
+_HEAP_MAX_BLOCK = 32 << 20  # glibc's largest dynamic mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
+
+
+@contextlib.contextmanager
+def trimming_heap(every_bytes: int):
+    """While a ZeRO-3 build runs: the C heap's free pages go back to the OS (airay.worker.memory.trim_heap)
+    each time `every_bytes` of host parameters small enough for the heap have been partitioned
+    away, and once at the end."""
+    if not every_bytes:
+        yield
+        return
+    from airay.worker.deepspeed_compat import after_each_partition
+    from airay.worker.memory import trim_heap
+
+    freed = 0
+
+    def partitioned_one(module) -> None:
+        nonlocal freed
+        for p in module.parameters(recurse=False):
+            part = getattr(p, "ds_tensor", None)
+            if part is not None and part.device.type == "cpu" and p.ds_numel * part.element_size() < _HEAP_MAX_BLOCK:
+                freed += (p.ds_numel - part.numel()) * part.element_size()
+        if freed >= every_bytes:
+            trim_heap()
+            freed = 0
+
+    with after_each_partition(partitioned_one):
+        yield
+    trim_heap()
+
+
 def partitioned(ds_config: dict[str, Any]) -> bool:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
 
@@ -87,7 +127,7 @@ def build_model(factory: Callable[..., Any], kwargs: dict[str, Any], seed: int, 
     # around it would be a no-op (DeepSpeed counts nested contexts), but keep the one owner clear.
     marked = getattr(build, "builds_partitioned", False)
     zero_init = contextlib.nullcontext() if marked else deepspeed.zero.Init(config_dict_or_path=ds_config)
-    with context, zero_init:
+    with context, trimming_heap(TRIM_EVERY_BYTES), zero_init:
         model = call(build, seed=seed, **kwargs)
     if not marked and _from_transformers(model):
         # A transformers model class first imported inside zero.Init loses, when the context

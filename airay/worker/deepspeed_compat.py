@@ -11,7 +11,7 @@ import contextlib
 def import_deepspeed():
     """Import DeepSpeed without the work its import and first engine do for features airay does
     not use, in every rank's process (one process to its first step of benchmarks.startup's job
-    here: 4.3-4.6 CPU-s with a plain import, 3.2 this way):
+    here: 4.7 CPU-s with a plain import, 3.0 this way: benchmarks/startup.py's floor):
 
     - deepspeed.runtime.config imports deepspeed.autotuning, whose autotuner runs `import mlflow`
       whenever MLflow is installed (airay[mlflow] installs it), for a tuner only DeepSpeed's
@@ -151,6 +151,26 @@ def preload_for_zero_init() -> None:
     # lazily (transformers' masking utilities, through a model class resolved inside a user's
     # factory) would fail inside zero.Init: import it before.
     import torch._dynamo  # noqa: F401
+
+
+@contextlib.contextmanager
+def after_each_partition(callback):
+    """While the block runs, `callback(module)` after zero.Init has partitioned each module's own
+    parameters (deepspeed 0.19: Init._post_init_method, which every module's __init__ ends with
+    under zero.Init, transformers' own zero.Init included)."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init._post_init_method
+
+    def post_init(self, module):
+        original(self, module)
+        callback(module)
+
+    Init._post_init_method = post_init
+    try:
+        yield
+    finally:
+        Init._post_init_method = original
 
 
 def tensor_parallel_mpu(ds_config: dict):

@@ -1,7 +1,12 @@
 """A process's peak host memory over a stretch of work (Linux: /proc/self), e.g. what building a
-rank's model and engine cost it, which ZeRO-3 must keep to the rank's partition plus a layer."""
+rank's model and engine cost it, which ZeRO-3 must keep to the rank's partition plus a layer;
+and handing the C heap's free pages back (glibc), so freed tensors stop counting."""
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
 
 
 def _status(key: str) -> int | None:
@@ -27,3 +32,25 @@ def peak_since(start: int | None) -> int | None:
     """Bytes the peak RSS rose above `start` (start_peak's) since then."""
     peak = _status("VmHWM")
     return None if start is None or peak is None else max(0, peak - start)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the OS: glibc's malloc_trim(0), which releases whole
+    free pages anywhere in the heap, not only at its top. glibc keeps freed blocks below its
+    (dynamic, up to 32 MiB) mmap threshold in the heap, so tensors a process has freed (a
+    layer's full parameters once partitioned, the engine of the world before) stay in its RSS
+    until then. False where the C library has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -74,17 +74,11 @@ def ray_cluster(nodes: int, cpus_per_node: float = 1, **spec):
 @contextlib.contextmanager
 def patched_environ(values: dict[str, str]):
     """`values` in this process's environment while the block runs (Ray processes started meanwhile
-    inherit them), the environment as it was after."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+    inherit them), the environment as it was after: pytest's MonkeyPatch, usable at any scope."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in values.items():
+            mp.setenv(key, value)
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

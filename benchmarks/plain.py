@@ -2,7 +2,8 @@
 
 A baseline process joins a torch.distributed world (gloo on CPU, NCCL on CUDA) and builds its
 engine with the same `build_engine` and batch plan airay's workers use, so the two sides differ
-only in what airay adds around them. DeepSpeed's CPU shared-memory op is disabled as airay does:
+only in what airay adds around them (the engine build's own savings, such as ZeRO-3's gradient
+hooks registered without gathering each parameter, are in build_engine: baselines have them too). DeepSpeed's CPU shared-memory op is disabled as airay does:
 otherwise a 30 s JIT build of an op neither side uses. DeepSpeed is imported as airay's workers
 import it (deepspeed_compat.import_deepspeed: without the MLflow import of its autotuner, nor
 torch.compile resolving its backend for the Muon kernels at import; 1.1-1.4 CPU-s a process here).

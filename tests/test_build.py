@@ -163,3 +163,79 @@ def test_a_dropped_engine_is_freed_so_a_resize_does_not_keep_the_world_befores_s
     results = mp.Manager().dict()
     worlds.spawn(_rebuild, args=(_port(), stage, results), nprocs=1)
     assert results[stage] == [True, True, True]  # engine, optimizer (and its state), module
+
+
+def _counting(calls, name, fn):
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return counted
+
+
+def _resize_build(rank, port, ckpt, results):
+    """Rank `rank` of a world of 2: an engine as DeepSpeed builds it trains a step and saves; then
+    airay's build for that checkpoint (a resize's) loads it, and both train the next step."""
+    import collections
+
+    import deepspeed
+    import deepspeed.comm as dist
+
+    sys.path.insert(0, str(ROOT))
+    from airay.models import tiny_gpt
+    from airay.policy import plan_batch
+    from airay.worker.build import build_model
+    from airay.worker.deepspeed_compat import reset_zero3_globals
+    from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
+
+    worlds.join(rank, 2, port)
+    plan = plan_batch(2, 1, 2)
+    base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    cfg = engine_config(base, plan, True, False)
+    calls = collections.Counter()  # the collectives of zero.Init's broadcast and a parameter's gather
+    dist.broadcast = _counting(calls, "broadcast", dist.broadcast)
+    dist.all_gather_into_tensor = _counting(calls, "all_gather", dist.all_gather_into_tensor)
+    batches = [{"tokens": torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(10 * s + rank))}
+               for s in range(2)]
+
+    def step(engine, s):
+        loss = tiny_gpt.loss(engine, batches[s])
+        backward_micro_batch(engine, loss, 1, plan)
+        return float(loss)
+
+    out = {}
+    reset_zero3_globals()
+    model = build_model(tiny_gpt.build, {"d_model": 64, "n_layers": 2}, 0, cfg)
+    out["params"], out["init_broadcasts"] = len(list(model.parameters())), calls["broadcast"]
+    calls.clear()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                      dist_init_required=False)  # DeepSpeed as it is
+    out["deepspeed_gathers"] = calls["all_gather"]
+    step(engine, 0)
+    engine.save_checkpoint(ckpt, tag="s1", save_latest=False)
+    out["reference"] = step(engine, 1)
+    drop_engine(engine)
+    del engine, model
+    reset_zero3_globals()
+    calls.clear()
+    model = build_model(tiny_gpt.build, {"d_model": 64, "n_layers": 2}, 0, cfg, init_weights=False)
+    out["load_broadcasts"] = calls["broadcast"]
+    calls.clear()
+    engine = build_engine(model, base, plan, "cpu")
+    out["airay_gathers"] = calls["all_gather"]
+    engine.load_checkpoint(ckpt, tag="s1")
+    out["resumed"] = step(engine, 1)
+    results[rank] = out
+
+
+def test_a_build_for_a_checkpoint_moves_no_weights_between_ranks_and_resumes_exactly(tmp_path):
+    # zero.Init broadcasts rank 0's copy of every parameter, and ZeRO-3's optimizer gathered every
+    # parameter whole to register its gradient hooks: the whole model over the network per rank at
+    # each build (deepspeed 0.19). A build whose weights a checkpoint overwrites needs neither
+    # (deepspeed_compat.zero_init_without_broadcast, grad_hooks_without_gathering).
+    results = mp.Manager().dict()
+    worlds.spawn(_resize_build, args=(_port(), str(tmp_path), results), nprocs=2)
+    for rank, r in dict(results).items():
+        # The counters see them where DeepSpeed makes them: a broadcast and a gather per parameter.
+        assert r["init_broadcasts"] == r["params"] and r["deepspeed_gathers"] >= r["params"], (rank, r)
+        assert r["load_broadcasts"] == 0 and r["airay_gathers"] < r["params"] // 4, (rank, r)
+        assert r["resumed"] == r["reference"], (rank, r)  # bit for bit: the same weights and moments

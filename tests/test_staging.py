@@ -1,4 +1,5 @@
-"""The staging checkpoint engine on a real one-rank DeepSpeed engine (gloo, no Ray)."""
+"""The staging checkpoint engine on a real one-rank DeepSpeed engine (gloo, no Ray); a ZeRO-3 save
+on a world of 2."""
 
 import os
 import zlib
@@ -133,6 +134,66 @@ def test_staged_save_writes_the_state_at_the_save_in_deepspeeds_layout(engine, t
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
     engine.load_checkpoint(str(tmp_path / "sync"), tag="native")
     assert all(torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
+
+
+def _save_world(rank, port, tmp, results):
+    """Rank `rank` of a ZeRO-3 world of 2: DeepSpeed's save, then airay's, of the same state,
+    counting the all-gathers each makes."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from airay.models import tiny_gpt
+    from airay.policy import plan_batch
+    from airay.worker.build import build_model
+    from airay.worker.deepspeed_compat import reset_zero3_globals, save_keeping_gathered
+    from airay.worker.engine import backward_micro_batch, build_engine, engine_config
+    from tests import worlds
+
+    worlds.join(rank, 2, port)
+    reset_zero3_globals()
+    plan = plan_batch(2, 1, 2)
+    base = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    engine = build_engine(build_model(tiny_gpt.build, {"d_model": 64, "n_layers": 2}, 0, engine_config(base, plan, True, False)),
+                          base, plan, "cpu")
+    batch = {"tokens": torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(rank))}
+    backward_micro_batch(engine, tiny_gpt.loss(engine, batch), 1, plan)
+    gathers = []
+    dist.all_gather_into_tensor = lambda *a, _f=dist.all_gather_into_tensor, **k: gathers.append(1) or _f(*a, **k)
+    kept = engine.optimizer.persistent_parameters
+    before = [(p.data, p.data.clone()) for p in kept]  # held: a new gather cannot reuse their memory
+    engine.save_checkpoint(f"{tmp}/deepspeed", tag="t", save_latest=False)
+    out = {"kept": len(kept), "deepspeed_gathers": len(gathers)}
+    before, gathers[:] = [(p.data, p.data.clone()) for p in kept], []
+    with save_keeping_gathered(engine):
+        engine.save_checkpoint(f"{tmp}/airay", tag="t", save_latest=False)
+    out["airay_gathers"] = len(gathers)
+    # The very tensors they had, whole and available, and the hooks gone with the block.
+    out["same_tensors"] = [p.data_ptr() for p in kept] == [t.data_ptr() for t, _ in before]
+    out["available"] = all(p.ds_status == ZeroParamStatus.AVAILABLE and torch.equal(p.data, d) for p, (_, d) in zip(kept, before))
+    out["hooks_left"] = "checkpoint_event_epilogue" in vars(engine.optimizer)
+    out["loss_after"] = float(tiny_gpt.loss(engine, batch))
+    engine.load_checkpoint(f"{tmp}/deepspeed", tag="t")
+    out["loss_from_deepspeeds"] = float(tiny_gpt.loss(engine, batch))
+    results[rank] = out
+
+
+def test_a_save_gives_zero3s_gathered_parameters_back_instead_of_gathering_them_again(tmp_path):
+    # DeepSpeed's save partitions the parameters ZeRO-3 keeps gathered between steps, then gathers
+    # them again (a collective each); airay's save hands them their tensors back. The same files.
+    from tests import worlds
+    from tests.test_reshard import _port
+
+    results = torch.multiprocessing.Manager().dict()
+    worlds.spawn(_save_world, args=(_port(), str(tmp_path), results), nprocs=2)
+    for rank, r in dict(results).items():
+        assert r["kept"] and r["deepspeed_gathers"] >= r["kept"] and r["airay_gathers"] == 0, (rank, r)
+        assert r["same_tensors"] and r["available"] and not r["hooks_left"], (rank, r)
+        assert r["loss_after"] == r["loss_from_deepspeeds"], (rank, r)
+    plain, files = _files(tmp_path / "deepspeed"), _files(tmp_path / "airay")
+    assert plain.keys() == files.keys() and len(files) == 4  # 2 ranks: model states, optimizer partition
+    for name, path in files.items():
+        a, b = _tensors(torch.load(path, weights_only=False)), _tensors(torch.load(plain[name], weights_only=False))
+        assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def _tensors(item, prefix=""):

@@ -20,3 +20,22 @@ multiprocessing.set_forkserver_preload(PRELOAD)
 def spawn(fn, args, nprocs: int) -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)`, each rank forked from the preloaded server."""
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def join(rank: int, world: int, port: int) -> None:
+    """Make this process rank `rank` of a gloo world of `world` on 127.0.0.1:`port`, as a worker
+    joins one (one torch thread, DeepSpeed's shared-memory all-reduce off), ready to build a
+    ZeRO-3 model (deepspeed_compat.preload_for_zero_init)."""
+    import os
+
+    import deepspeed
+    import torch
+
+    from airay.worker.deepspeed_compat import disable_cpu_shm_comm, preload_for_zero_init
+
+    torch.set_num_threads(1)
+    disable_cpu_shm_comm()
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0"})
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    preload_for_zero_init()

@@ -352,6 +352,7 @@ class TrainWorker:
         from airay.checkpoint.layout import step_name
         from airay.checkpoint.reshard import layout_of
         from airay.checkpoint.tiers import node_dir
+        from airay.worker.deepspeed_compat import save_keeping_gathered
 
         t0 = time.perf_counter()
         self._enter("save", step, fault)
@@ -360,9 +361,10 @@ class TrainWorker:
         self._ckpt_writer.take_written()
         self._ckpt_writer.take_chunks()
         root = node_dir(memory_base, self.node_id)
-        self.engine.save_checkpoint(save_dir=str(root), tag=step_name(step),
-                                    client_state={"airay_step": step, "airay_data": data_position},
-                                    save_latest=False)
+        with save_keeping_gathered(self.engine):
+            self.engine.save_checkpoint(save_dir=str(root), tag=step_name(step),
+                                        client_state={"airay_step": step, "airay_data": data_position},
+                                        save_latest=False)
         self._saving = {"step": step, "dir": str(root / step_name(step)), "t0": t0,
                         "layout": layout_of(self.engine) if self.rank < self.tp else {}}  # each slice's
         self._at(step, 2, "save")

@@ -14,7 +14,9 @@ True`): transformers then partitions it, not an outer zero.Init (see build_model
 A rank whose weights a checkpoint is about to overwrite (a resize, a resumed run) builds the
 architecture without initialising it: the factory's `without_weights` when it has one (a factory
 that reads pretrained weights should: airay.models.hf does), otherwise the factory with torch's
-in-place initialisers turned into no-ops. Stages 0-2 keep the whole model on every rank anyway
+in-place initialisers turned into no-ops; under ZeRO-3, zero.Init then keeps each rank's slice
+as built instead of broadcasting rank 0's whole parameter first (a model's worth of traffic per
+rank, for values the checkpoint replaces). Stages 0-2 keep the whole model on every rank anyway
 (their parameters are replicated), so their factories run as they are.
 """
 
@@ -116,7 +118,7 @@ def build_model(factory: Callable[..., Any], kwargs: dict[str, Any], seed: int, 
         return call(factory, seed=seed, **kwargs)
     import deepspeed
 
-    from airay.worker.deepspeed_compat import preload_for_zero_init
+    from airay.worker.deepspeed_compat import preload_for_zero_init, zero_init_without_broadcast
 
     preload_for_zero_init()
     if not init_weights and without is not None:
@@ -127,7 +129,9 @@ def build_model(factory: Callable[..., Any], kwargs: dict[str, Any], seed: int, 
     # around it would be a no-op (DeepSpeed counts nested contexts), but keep the one owner clear.
     marked = getattr(build, "builds_partitioned", False)
     zero_init = contextlib.nullcontext() if marked else deepspeed.zero.Init(config_dict_or_path=ds_config)
-    with context, trimming_heap(TRIM_EVERY_BYTES), zero_init:
+    # Weights a checkpoint overwrites need not agree between ranks: no broadcast of rank 0's.
+    unsynced = contextlib.nullcontext() if init_weights else zero_init_without_broadcast()
+    with context, unsynced, trimming_heap(TRIM_EVERY_BYTES), zero_init:
         model = call(build, seed=seed, **kwargs)
     if not marked and _from_transformers(model):
         # A transformers model class first imported inside zero.Init loses, when the context

@@ -22,7 +22,9 @@ def engine_config(base: dict[str, Any], plan: BatchPlan, on_cpu: bool, load_univ
         opt.setdefault("params", {}).setdefault("torch_adam", True)
     cfg.setdefault("steps_per_print", 10**9)
     cfg.setdefault("wall_clock_breakdown", False)
-    cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": load_universal}
+    # DeepSpeed checks that every rank saves under the same tag (two all-reduces in each save);
+    # airay's driver names every rank's tag (the step), so it is off unless the spec sets it.
+    cfg["checkpoint"] = {"tag_validation": "Ignore", **cfg.get("checkpoint", {}), "load_universal": load_universal}
     return cfg
 
 
@@ -66,11 +68,12 @@ def build_engine(model, base_config: dict[str, Any], plan: BatchPlan, device: st
     elif cfg.get("zero_optimization", {}).get("stage") == 3:
         zero = cfg["zero_optimization"]
         zero.update(zero3_memory_defaults(zero, max(int(p.ds_numel) for p in model.parameters())))
-    from airay.worker.deepspeed_compat import sequence_parallel_mpu, tensor_parallel_mpu
+    from airay.worker.deepspeed_compat import grad_hooks_without_gathering, sequence_parallel_mpu, tensor_parallel_mpu
 
     mpu = tensor_parallel_mpu(cfg) or sequence_parallel_mpu(model, cfg, plan.micro_batch_size)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                      dist_init_required=False, mpu=mpu)
+    with grad_hooks_without_gathering():
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                          dist_init_required=False, mpu=mpu)
     return engine
 
 

@@ -316,6 +316,8 @@ class TrainWorker:
         """Drop the engine and the process group; safe to call when in neither."""
         import gc
 
+        from airay.worker.memory import trim_heap
+
         import deepspeed.comm as dist
         import torch.distributed as tdist
 
@@ -329,6 +331,7 @@ class TrainWorker:
                 print(f"[airay] rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
             self.engine = None
             gc.collect()  # the dropped engine's state, before the next world's engine is built
+            trim_heap()  # and the C heap's pages it held (glibc keeps freed blocks otherwise)
         self._hf_zero3 = None
         if tdist.is_available() and tdist.is_initialized():
             try:

@@ -28,7 +28,6 @@ import collections
 import contextlib
 import json
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -38,12 +37,6 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("model_s", "engine_s", "save_s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _world(rank, world, port, d_model, turns, results):
@@ -131,6 +124,7 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from airay.worker import free_port
     from tests import worlds
 
     port = free_port()

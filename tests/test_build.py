@@ -128,21 +128,14 @@ def _rebuild(rank, port, stage, results):
     import gc
     import weakref
 
-    import deepspeed
-
     sys.path.insert(0, str(ROOT))
     from airay.models import tiny_gpt
     from airay.policy import plan_batch
     from airay.worker.build import build_model
-    from airay.worker.deepspeed_compat import disable_cpu_shm_comm, preload_for_zero_init, reset_zero3_globals
+    from airay.worker.deepspeed_compat import reset_zero3_globals
     from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
-    torch.set_num_threads(1)
-    disable_cpu_shm_comm()
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                               init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    preload_for_zero_init()
+    worlds.join(0, 1, port)
     plan = plan_batch(2, 2, 1)
     cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}},
                         plan, True, False)

@@ -356,8 +356,9 @@ class Controller:
         if queue_end is not None:
             self.inflight = self._launch_round(current.end, queue_end)
         timeouts = self.cfg.timeouts
+        # While the round runs, the last save is committed and the next one's room made (poll).
         outcomes, values = self.group.collect(current.refs, hang_timeout_s=timeouts.hang_timeout_s,
-                                              first_step_timeout_s=timeouts.first_step_s)
+                                              first_step_timeout_s=timeouts.first_step_s, idle=self.ckpt.poll)
         if not self._round_ok(outcomes, current):
             return State.RECOVERING
         self._check_stragglers(current.start, values)

@@ -179,10 +179,15 @@ class WorkerGroup:
         done, _ = self.each_result([s.commit.remote(step, manifest) for s in stores.values()], list(stores), timeout_s)
         return list(done.values())
 
-    def prune_memory(self, keep: list[int], also_drop: list[int] = (), timeout_s: float = 60.0) -> None:
+    def prune_memory(self, keep: list[int], also_drop: list[int] = (), timeout_s: float = 60.0,
+                     wait: bool = True) -> list:
+        """Every live store keeps only the steps of `keep` (less `also_drop`); with `wait`, for
+        up to `timeout_s`; returns the calls' refs."""
         keep = [k for k in keep if k not in also_drop]
         refs = [s.prune.remote(keep) for s in self._live_stores().values()]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if wait:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        return refs
 
     def memory_checkpoints(self, job: dict, timeout_s: float = 30.0) -> list[CheckpointInfo]:
         """Complete memory-tier checkpoints of `job`: a manifest on some node, and every file it
@@ -399,11 +404,12 @@ class WorkerGroup:
         return [m.actor.train.remote(start, end, faults.get(rank), feed) for rank, m in enumerate(self.active)]
 
     def collect(self, refs: list, hang_timeout_s: float | None = None,
-                first_step_timeout_s: float | None = None) -> tuple[list[RankOutcome], list]:
+                first_step_timeout_s: float | None = None, idle=None) -> tuple[list[RankOutcome], list]:
         """Wait for a launched round: its outcomes and each rank's step records. A rank that has
-        completed no step in its world yet may stand still for `first_step_timeout_s`."""
+        completed no step in its world yet may stand still for `first_step_timeout_s`. `idle()`
+        is called while the round runs (gather_calls): the driver's own work meanwhile."""
         first = dict.fromkeys(self.fresh, first_step_timeout_s) if first_step_timeout_s else None
-        outcomes, values = self._gather(refs, hang_timeout_s, first_step=first)
+        outcomes, values = self._gather(refs, hang_timeout_s, first_step=first, idle=idle)
         self.fresh -= {o.rank for o, v in zip(outcomes, values) if o.kind == "ok" and v}
         return outcomes, values
 
@@ -468,7 +474,8 @@ class WorkerGroup:
 
     def _gather(self, refs: list, hang_timeout_s: float | None = None,
                 collective: bool = True, abort_port: int | None = None,
-                broken: bool = False, first_step: dict[int, float] | None = None) -> tuple[list[RankOutcome], list]:
+                broken: bool = False, first_step: dict[int, float] | None = None,
+                idle=None) -> tuple[list[RankOutcome], list]:
         """Wait for one call per rank. Once any rank fails, the rest get `drain_s` to finish
         (their collectives fail fast when a peer's sockets close: a `collective` call's failure
         wakes them with abort_world; a call that uses no collective leaves the world alone);
@@ -504,7 +511,7 @@ class WorkerGroup:
                 self.active[rank].actor.abort_world.remote(abort_port)
 
         return gather_calls(refs, ray.wait, _outcome_of, self.drain_s, poll_s=watch.poll_s if watch else 1.0,
-                            hung=hung if watch else None, failed=failed, deadline=deadline)
+                            hung=hung if watch else None, failed=failed, deadline=deadline, idle=idle)
 
     def export(self, step_dir: str, out_dir: str, factory: str, model_kwargs: dict, seed: int,
                timeout_s: float) -> str:
@@ -648,7 +655,7 @@ def ranks_to_release(groups: list, n: int) -> list[int]:
 
 
 def gather_calls(refs: list, wait, outcome_of, drain_s: float, poll_s: float = 1.0, hung=None, failed=None,
-                 deadline: float | None = None, clock=time.time) -> tuple[list[RankOutcome], list]:
+                 deadline: float | None = None, clock=time.time, idle=None) -> tuple[list[RankOutcome], list]:
     """Wait for one call per rank (None: no call, that rank is ok): each rank's outcome and value.
 
     In batches: one wait blocks until some call is done (or the next hang poll, or the drain
@@ -658,6 +665,8 @@ def gather_calls(refs: list, wait, outcome_of, drain_s: float, poll_s: float = 1
     outcome}` is polled at most once per `poll_s` until a failure; `failed(running ranks)` is
     told once, at the first failure (a rank not ok, hung included), and the rest then get
     `drain_s` (by `deadline`, when given, from the start) before they are counted silent.
+    `idle()` is called after each wait while calls are still running and none has failed (so
+    about every `poll_s`): the caller's work that need not hold the ranks (a save's commit).
     `wait` has ray.wait's signature, `outcome_of(rank, ref)` gives a done call's (outcome,
     value), `clock` is time.time: unit tests pass their own (tests/test_gather.py)."""
     by_ref = {ref: rank for rank, ref in enumerate(refs) if ref is not None}
@@ -685,6 +694,8 @@ def gather_calls(refs: list, wait, outcome_of, drain_s: float, poll_s: float = 1
                 by_ref.pop(refs[rank])
                 outcomes[rank] = outcome
                 failure = True
+        if idle is not None and by_ref and not failure and deadline is None:
+            idle()
         if deadline is None and failure:
             if failed is not None:
                 failed(sorted(by_ref.values()))

@@ -171,7 +171,7 @@ def airay_run(d_model: int, work: Path, stage: int = 2, kill: bool = True) -> di
         # What held the loop, part by part (medians): the save call on every rank, the wait for
         # the previous save's commit, the next optimizer step's wait for live-tensor writes.
         "held_parts": {k: statistics.median(e.get(k, 0.0) for e in saves)
-                       for k in ("blocking_s", "previous_commit_wait_s", "checkpoint_wait_s")},
+                       for k in ("blocking_s", "plan_s", "rank_save_s", "previous_commit_wait_s", "checkpoint_wait_s")},
         "commit_gb_per_s": statistics.median(e["bytes"] / c / 1e9 for e, c in zip(saves, commit)),
         "reshard_load_s": [e["load_s"] for e in loaded], "reshard_copies": [e["copies"] for e in loaded],
         "recovery_s": shrink["recovery_s"], "world_sizes": result.world_sizes, "losses": losses,

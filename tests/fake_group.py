@@ -234,7 +234,9 @@ class FakeGroup:
         self.calls.append(("launch", (start, end)))
         return [FakeRef((start, end)) for _ in self.active]
 
-    def collect(self, refs, hang_timeout_s=None, first_step_timeout_s=None):
+    def collect(self, refs, hang_timeout_s=None, first_step_timeout_s=None, idle=None):
+        if idle is not None:  # the driver's work while a real round runs
+            idle()
         start, end = refs[0].value
         return self._play(start, end)
 
@@ -265,7 +267,7 @@ class FakeGroup:
         return outcomes, values
 
     def save(self, step: int, data_position=None, faults=None):
-        return self._outcomes("save", len(self.active)), [None] * len(self.active)
+        return self._outcomes("save", len(self.active)), [{"save_s": 0.0}] * len(self.active)
 
     def persist(self, step: int, no_peer: frozenset = frozenset()) -> list[FakeRef]:
         self.no_peer[step] = set(no_peer)
@@ -310,9 +312,10 @@ class FakeGroup:
         self.calls.append(("commit_memory", step))
         return self.node_memory()
 
-    def prune_memory(self, keep, also_drop=(), timeout_s=60.0):
+    def prune_memory(self, keep, also_drop=(), timeout_s=60.0, wait=True):
         self.calls.append(("prune_memory", sorted(keep)))
         self.memory = {s: m for s, m in self.memory.items() if s in keep and s not in also_drop}
+        return []
 
     def memory_checkpoints(self, job, timeout_s=30.0):
         return [CheckpointInfo(s, m.world_size, m.bytes, "memory", f"memory:{step_name(s)}", m.created, manifest=m,

@@ -208,6 +208,7 @@ def test_a_bad_copy_falls_back_to_the_peer_copy_and_another_jobs_tier_is_ignored
 def test_sigterm_to_the_driver_checkpoints_exits_cleanly_and_resumes(tmp_path, baseline):
     run = tmp_path / "run"
     data = spec_dict(run, 30)
+    data["model"]["kwargs"]["forward_delay_s"] = 0.1  # steps 12-30 outlast the 0.2 s poll for step 12 below
     data["cluster"] = {"local_nodes": 3, "cpus_per_node": 1}
     data["checkpoint"] = {"every_n_steps": 10, "preemption_grace_s": 60}
     job = tmp_path / "job.yaml"

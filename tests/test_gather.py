@@ -116,3 +116,17 @@ def test_a_settle_of_a_broken_world_waits_until_its_deadline_and_wakes_nobody_ag
     assert [o.kind for o in outcomes] == ["ok", "ok", "silent"] and called == []
     assert calls.now == 1.0
     assert all(size <= 2 for size, _ in calls.waits)  # rank 0 had no call: never waited for
+
+
+def test_the_callers_idle_work_runs_while_the_calls_run_and_stops_at_the_first_failure():
+    # A round of 3 s (poll every 1 s): the driver's own work (a save's commit) runs while it waits,
+    # not after. A rank failing at 2.5 s stops it: the drain is for the failure alone.
+    calls = Calls([3.0, 3.0])
+    seen = []
+    gather_calls(calls.refs, calls.wait, calls.outcome_of, drain_s=5.0, poll_s=1.0, clock=calls.clock,
+                 idle=lambda: seen.append(calls.now))
+    assert seen == [1.0, 2.0]
+    calls, seen = Calls([2.5, 6.0], errors={0: "boom"}), []
+    outcomes, _ = gather_calls(calls.refs, calls.wait, calls.outcome_of, drain_s=5.0, poll_s=1.0, clock=calls.clock,
+                               idle=lambda: seen.append(calls.now))
+    assert seen == [1.0, 2.0] and outcomes[0].kind == "errored" and outcomes[1].kind == "ok"

@@ -27,6 +27,7 @@ from airay.worker.dist import NCCL_ENV, abort_nccl_groups, collective_counts, gr
     rendezvous_store, reset_group_count, shutdown_sockets, tcp_socket_fds
 from airay.worker.failures import UserCodeError, describe, failure_kind, named
 from airay.worker.logs import name_rank, quiet_deepspeed
+from airay.worker.memory import release_heap
 from airay.worker.build import build_model, hf_zero3, partitioned
 from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
@@ -314,10 +315,6 @@ class TrainWorker:
 
     def leave(self) -> None:
         """Drop the engine and the process group; safe to call when in neither."""
-        import gc
-
-        from airay.worker.memory import trim_heap
-
         import deepspeed.comm as dist
         import torch.distributed as tdist
 
@@ -330,8 +327,7 @@ class TrainWorker:
             except Exception as exc:  # a half-broken engine after a peer died; we drop it anyway
                 print(f"[airay] rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
             self.engine = None
-            gc.collect()  # the dropped engine's state, before the next world's engine is built
-            trim_heap()  # and the C heap's pages it held (glibc keeps freed blocks otherwise)
+            release_heap()  # the dropped engine's state, before the next world's engine is built
         self._hf_zero3 = None
         if tdist.is_available() and tdist.is_initialized():
             try:
@@ -514,6 +510,7 @@ class TrainWorker:
             shutil.rmtree(stage_dir, ignore_errors=True)
             shutil.rmtree(scratch_dir() / "sparse", ignore_errors=True)  # prepare_load's partial copies
         self._ckpt_writer.take_wait()  # a wait inside load_checkpoint is load time, not a step's
+        release_heap()  # the load's state dicts and buffers, freed: off the RSS now, not at the next leave
         if load_path is None:
             raise RuntimeError(f"DeepSpeed loaded no checkpoint of step {step}")
         self._at(step, 2, "load")

@@ -54,3 +54,12 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def release_heap() -> None:
+    """Collect Python's garbage (reference cycles hold engines and state dicts), then trim_heap:
+    what a dropped engine or a finished load held leaves the RSS now."""
+    import gc
+
+    gc.collect()
+    trim_heap()

@@ -421,11 +421,12 @@ class WorkerGroup:
         return [o if ref is not None else None for o, ref in zip(outcomes, refs)]
 
     def save(self, step: int, data_position: dict | None = None,
-             faults: dict[int, dict] | None = None) -> tuple[list[RankOutcome], list]:
-        """Every rank stages its part of `step` into its node's memory tier (a collective)."""
+             faults: dict[int, dict] | None = None, room: list = ()) -> tuple[list[RankOutcome], list]:
+        """Every rank stages its part of `step` into its node's memory tier (a collective).
+        `room`: the stores' removals (prune_memory's refs) the ranks' writes wait for."""
         self.ensure_stores()
         faults = faults or {}
-        return self._gather([m.actor.save.remote(step, data_position, self.memory_base, faults.get(rank))
+        return self._gather([m.actor.save.remote(step, data_position, self.memory_base, faults.get(rank), list(room))
                              for rank, m in enumerate(self.active)], self.phase_timeout_s)
 
     def persist(self, step: int, no_peer: frozenset[str] = frozenset()) -> list:

@@ -266,7 +266,7 @@ class FakeGroup:
                 values[-1][-1]["preempted"] = True
         return outcomes, values
 
-    def save(self, step: int, data_position=None, faults=None):
+    def save(self, step: int, data_position=None, faults=None, room=()):
         return self._outcomes("save", len(self.active)), [{"save_s": 0.0}] * len(self.active)
 
     def persist(self, step: int, no_peer: frozenset = frozenset()) -> list[FakeRef]:

@@ -57,6 +57,19 @@ def test_writer_computes_each_files_crc_and_reraises_a_failed_write(tmp_path):
     assert writer.wait(raise_errors=False) == 1 and writer.wait() == 0
 
 
+def test_a_saves_writes_wait_for_the_room_made_for_them_and_the_save_call_does_not(tmp_path):
+    # The memory budget's removals of old steps run on the stores; the files of the save they make
+    # room for must not land before they are done (the tier would outgrow its budget meanwhile).
+    import threading
+
+    writer, room = staging.Writer(), threading.Event()
+    writer.after(lambda: room.wait(timeout=60))
+    writer.submit(str(tmp_path / "a.pt"), {"x": torch.arange(10)}, live=True)  # returns: the call is not held
+    assert not room.wait(timeout=0.3) and not (tmp_path / "a.pt").exists() and writer.writing()
+    room.set()
+    assert writer.wait() == 1 and torch.equal(torch.load(tmp_path / "a.pt")["x"], torch.arange(10))
+
+
 @pytest.fixture(params=[1, 3], ids=["zero1", "zero3"])
 def engine(request):
     import deepspeed

@@ -161,10 +161,14 @@ class Checkpointer:
             self.rec.event("checkpoint_budget", step=step, action="skipped", reason=plan.reason,
                            budget_bytes=min(self.budgets.values(), default=None), newest_durable_step=self.last_durable_step)
             return [RankOutcome(r, "ok") for r in range(len(group.active))]
+        room: list = []  # the removals of the dropped steps: the ranks' writes wait for them, the call does not
         if plan.drop or plan.drop_copies or plan.no_peer:
             self.memory_steps = [s for s in self.memory_steps if s not in plan.drop]
-            if plan.drop:
+            if step in plan.drop:  # a replayed step: its first save's files go before this one writes there
                 group.prune_memory(self.memory_steps, also_drop=list(plan.drop))
+            elif plan.drop:
+                # `step` kept: the ranks' save calls create its directory while the stores prune.
+                room = group.prune_memory(self.memory_steps + [step], also_drop=list(plan.drop), wait=False)
             if plan.drop_copies:
                 self._drop_copies(group, plan.drop_copies)
             action = "no_peer_copy" if plan.no_peer else "dropped_peer_copies" if plan.drop_copies else "dropped"
@@ -174,7 +178,7 @@ class Checkpointer:
                            budget_bytes=min(self.budgets.values(), default=None),
                            planned_bytes=max(plan.use.values(), default=0))
         t_call = time.time()
-        outcomes, values = group.save(step, data_position, faults)
+        outcomes, values = group.save(step, data_position, faults, room)
         if any(o.kind != "ok" for o in outcomes):
             bad = min((o for o in outcomes if o.kind != "ok"), key=lambda o: (not o.infra, o.rank))  # the lost one
             # Not a failure of the checkpoint path: a rank was lost (its recovery follows) and this

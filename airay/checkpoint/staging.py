@@ -185,6 +185,12 @@ class Writer:
             if copied is not None:
                 self._copies.append(copied)
 
+    def after(self, ready) -> None:
+        """The files submitted from now on are written once `ready()` has returned (the one
+        writer thread runs in order): a save's writes wait for the room the memory budget makes
+        for them, not the save call. Its outcome is not theirs: they are written either way."""
+        self._pool.submit(ready)
+
     def wait_live(self) -> float:
         """Block until every write that reads live tensors is done (before the optimizer step
         changes them); returns the seconds waited, also summed for `take_wait`. Another thread

@@ -31,6 +31,10 @@ from airay.worker.memory import release_heap
 from airay.worker.build import build_model, hf_zero3, partitioned
 from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
+# How long a save's writes wait for the removals the memory budget started for them (a store that
+# has not answered by then is on a lost node, or stuck: the files are written anyway).
+ROOM_WAIT_S = 60.0
+
 
 def _names_failures(method):
     """A method the driver classifies the outcome of (airay.health.classify_round): an exception
@@ -343,11 +347,13 @@ class TrainWorker:
 
     @_names_failures
     def save(self, step: int, data_position: dict[str, Any] | None, memory_base: str,
-             fault: dict | None = None) -> dict[str, Any]:
+             fault: dict | None = None, room: list | None = None) -> dict[str, Any]:
         """Stage this rank's part of `step` into its node's memory tier (DeepSpeed's file names
         carry the rank, so ranks sharing a node never clash). Returns once the small parts are
         cloned; parameters and optimizer state are written from the live tensors in the
-        background (airay.checkpoint.staging), done before the next optimizer step changes them."""
+        background (airay.checkpoint.staging), done before the next optimizer step changes them.
+        `room`: the stores' removals of the steps the memory budget dropped for this save (refs,
+        not waited for by the call): the writes begin once they are done."""
         from airay.checkpoint.layout import step_name
         from airay.checkpoint.reshard import layout_of
         from airay.checkpoint.tiers import node_dir
@@ -360,6 +366,8 @@ class TrainWorker:
         self._ckpt_writer.take_written()
         self._ckpt_writer.take_chunks()
         root = node_dir(memory_base, self.node_id)
+        if room:
+            self._ckpt_writer.after(functools.partial(ray.wait, room, num_returns=len(room), timeout=ROOM_WAIT_S))
         with save_keeping_gathered(self.engine):
             self.engine.save_checkpoint(save_dir=str(root), tag=step_name(step),
                                         client_state={"airay_step": step, "airay_data": data_position},

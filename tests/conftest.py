@@ -13,6 +13,22 @@ from airay.events import read_jsonl
 from airay.local_cluster import LocalCluster
 
 
+@pytest.fixture(scope="session", autouse=True)
+def memory_tiers_the_suite_leaves():
+    """A run that fails or loses nodes keeps its newest memory-tier steps for a re-run (by design),
+    in the default /dev/shm/airay where its spec sets no memory_path: the ones the suite's runs
+    left there go when it ends (hundreds of MB of node memory otherwise); what was there stays."""
+    import shutil
+
+    from airay.checkpoint.tiers import memory_base
+
+    base = memory_base(None, "").parent
+    before = set(base.glob("ckpt-*"))
+    yield
+    for left in set(base.glob("ckpt-*")) - before:
+        shutil.rmtree(left, ignore_errors=True)
+
+
 def live_airay_actors() -> list[str]:
     return [a["ActorClassName"] for a in ray.state.actors().values()
             if a["State"] != "DEAD" and a["ActorClassName"] in ("TrainWorker", "Committer", "MemoryReplica")]

@@ -180,13 +180,13 @@ class WorkerGroup:
         return list(done.values())
 
     def prune_memory(self, keep: list[int], also_drop: list[int] = (), timeout_s: float = 60.0,
-                     wait: bool = True) -> list:
+                     wait: bool = True) -> dict:
         """Every live store keeps only the steps of `keep` (less `also_drop`); with `wait`, for
-        up to `timeout_s`; returns the calls' refs."""
+        up to `timeout_s`; returns the calls' refs by node."""
         keep = [k for k in keep if k not in also_drop]
-        refs = [s.prune.remote(keep) for s in self._live_stores().values()]
+        refs = {node: s.prune.remote(keep) for node, s in self._live_stores().items()}
         if wait:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         return refs
 
     def memory_checkpoints(self, job: dict, timeout_s: float = 30.0) -> list[CheckpointInfo]:
@@ -421,12 +421,16 @@ class WorkerGroup:
         return [o if ref is not None else None for o, ref in zip(outcomes, refs)]
 
     def save(self, step: int, data_position: dict | None = None,
-             faults: dict[int, dict] | None = None, room: list = ()) -> tuple[list[RankOutcome], list]:
+             faults: dict[int, dict] | None = None, room: dict | None = None) -> tuple[list[RankOutcome], list]:
         """Every rank stages its part of `step` into its node's memory tier (a collective).
-        `room`: the stores' removals (prune_memory's refs) the ranks' writes wait for."""
+        `room`: the stores' removals by node (prune_memory's refs); a rank's writes wait for those
+        of its node and of the peer its files are copied to (two refs a rank, whatever the
+        cluster's size)."""
         self.ensure_stores()
-        faults = faults or {}
-        return self._gather([m.actor.save.remote(step, data_position, self.memory_base, faults.get(rank), list(room))
+        faults, room, ring = faults or {}, room or {}, self.ring() if room else {}
+        return self._gather([m.actor.save.remote(step, data_position, self.memory_base, faults.get(rank),
+                                                 [room[n] for n in dict.fromkeys((m.node_id, ring.get(m.node_id)))
+                                                  if n in room])
                              for rank, m in enumerate(self.active)], self.phase_timeout_s)
 
     def persist(self, step: int, no_peer: frozenset[str] = frozenset()) -> list:

@@ -20,9 +20,9 @@ def memory_tiers_the_suite_leaves():
     left there go when it ends (hundreds of MB of node memory otherwise); what was there stays."""
     import shutil
 
-    from airay.checkpoint.tiers import memory_base
+    from airay.checkpoint.tiers import default_memory_path
 
-    base = memory_base(None, "").parent
+    base = default_memory_path()
     before = set(base.glob("ckpt-*"))
     yield
     for left in set(base.glob("ckpt-*")) - before:

@@ -266,7 +266,7 @@ class FakeGroup:
                 values[-1][-1]["preempted"] = True
         return outcomes, values
 
-    def save(self, step: int, data_position=None, faults=None, room=()):
+    def save(self, step: int, data_position=None, faults=None, room=None):
         return self._outcomes("save", len(self.active)), [{"save_s": 0.0}] * len(self.active)
 
     def persist(self, step: int, no_peer: frozenset = frozenset()) -> list[FakeRef]:
@@ -315,7 +315,7 @@ class FakeGroup:
     def prune_memory(self, keep, also_drop=(), timeout_s=60.0, wait=True):
         self.calls.append(("prune_memory", sorted(keep)))
         self.memory = {s: m for s, m in self.memory.items() if s in keep and s not in also_drop}
-        return []
+        return {}
 
     def memory_checkpoints(self, job, timeout_s=30.0):
         return [CheckpointInfo(s, m.world_size, m.bytes, "memory", f"memory:{step_name(s)}", m.created, manifest=m,

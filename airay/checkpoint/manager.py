@@ -161,7 +161,7 @@ class Checkpointer:
             self.rec.event("checkpoint_budget", step=step, action="skipped", reason=plan.reason,
                            budget_bytes=min(self.budgets.values(), default=None), newest_durable_step=self.last_durable_step)
             return [RankOutcome(r, "ok") for r in range(len(group.active))]
-        room: list = []  # the removals of the dropped steps: the ranks' writes wait for them, the call does not
+        room: dict = {}  # the removals of the dropped steps, by node: the ranks' writes wait for them, the call does not
         if plan.drop or plan.drop_copies or plan.no_peer:
             self.memory_steps = [s for s in self.memory_steps if s not in plan.drop]
             if step in plan.drop:  # a replayed step: its first save's files go before this one writes there
@@ -172,11 +172,7 @@ class Checkpointer:
             if plan.drop_copies:
                 self._drop_copies(group, plan.drop_copies)
             action = "no_peer_copy" if plan.no_peer else "dropped_peer_copies" if plan.drop_copies else "dropped"
-            self.rec.event("checkpoint_budget", step=step, action=action, dropped_steps=list(plan.drop),
-                           dropped_copies_of=list(plan.drop_copies), no_peer_nodes=sorted(plan.no_peer),
-                           reason=plan.reason,
-                           budget_bytes=min(self.budgets.values(), default=None),
-                           planned_bytes=max(plan.use.values(), default=0))
+            self._record_plan(step, action, plan, plan.drop)
         t_call = time.time()
         outcomes, values = group.save(step, data_position, faults, room)
         if any(o.kind != "ok" for o in outcomes):
@@ -458,10 +454,10 @@ class Checkpointer:
             if self.last_manifest is not None else 0
         return io_timeout_s(largest, SAVE_BASE_TIMEOUT_S)
 
-    def _prune_memory(self, also_drop: tuple[int, ...] = (), wait: bool = True) -> list:
+    def _prune_memory(self, also_drop: tuple[int, ...] = (), wait: bool = True) -> dict:
         """Keep the newest memory_keep_last committed steps on every node (and steps still
         being uploaded, or waiting to be: their ranks upload from there), less `also_drop`;
-        returns the stores' calls when not `wait`ed for."""
+        returns the stores' calls by node."""
         keep = set(self.memory_steps[-self.memory_keep_last:]) | {s.step for s in self._uploads.items()}
         if self._inflight is not None:
             keep.add(self._inflight.step)
@@ -484,11 +480,20 @@ class Checkpointer:
         early = tuple(s for s in plan.drop if s != newest)
         if plan.skip or not early:
             return
-        self._room = self._prune_memory(also_drop=early, wait=False)
-        self.rec.event("checkpoint_budget", step=newest, action="dropped", ahead=True, dropped_steps=list(early),
-                       dropped_copies_of=[], no_peer_nodes=[], reason=f"{plan.reason}, ahead of the next save",
+        self._room = list(self._prune_memory(also_drop=early, wait=False).values())
+        self._record_plan(newest, "dropped", plan, early, ahead=True)
+
+    def _record_plan(self, step: int, action: str, plan: SavePlan, dropped: tuple[int, ...],
+                     ahead: bool = False) -> None:
+        """checkpoint_budget: what a save's plan gave up (`dropped`: the kept steps that went;
+        `ahead`: only those, as the save before it committed, _make_room)."""
+        extra = {"ahead": True} if ahead else {}
+        self.rec.event("checkpoint_budget", step=step, action=action, dropped_steps=list(dropped),
+                       dropped_copies_of=[] if ahead else list(plan.drop_copies),
+                       no_peer_nodes=[] if ahead else sorted(plan.no_peer),
+                       reason=plan.reason + (", ahead of the next save" if ahead else ""),
                        budget_bytes=min(self.budgets.values(), default=None),
-                       planned_bytes=max(plan.use.values(), default=0))
+                       planned_bytes=max(plan.use.values(), default=0), **extra)
 
     def _room_made(self, group) -> None:
         """Wait for the removals _make_room started (usually long done)."""

@@ -29,11 +29,16 @@ from airay.checkpoint.storage import Storage, display
 from airay.config import ConfigError
 
 
+def default_memory_path() -> Path:
+    """Where memory tiers live when the spec sets no checkpoint.memory_path: node memory."""
+    return Path("/dev/shm/airay" if os.path.isdir("/dev/shm") else os.path.join(tempfile.gettempdir(), "airay-mem"))
+
+
 def memory_base(base: str | None, durable: str) -> Path:
     """The job's memory-tier directory on every node: one per durable location, the same on every
     run, so a job re-run on the same nodes finds its memory checkpoints."""
     if base is None:
-        base = "/dev/shm/airay" if os.path.isdir("/dev/shm") else os.path.join(tempfile.gettempdir(), "airay-mem")
+        base = default_memory_path()
     key = hashlib.sha1(display(durable).encode()).hexdigest()[:12]
     return Path(base) / f"ckpt-{key}"
 

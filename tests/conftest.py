@@ -61,15 +61,21 @@ def started_cluster(nodes: int, cpus_per_node: float = 1, **spec):
 @contextlib.contextmanager
 def connected(lc: LocalCluster, restore_nodes: int | None = None):
     """This process as the driver of `lc` until the block ends. Disconnecting ends every actor it
-    owns (a failed test's leftovers die with it); with `restore_nodes`, the cluster then gets that
-    many worker nodes back, for a shared cluster a test removed nodes from or added nodes to."""
+    owns (a failed test's leftovers die with it); with `restore_nodes`, the cluster first gets
+    that many worker nodes back, for a shared cluster a test removed nodes from or added nodes to.
+    Before disconnecting: nodes are started on threads, and a thread that reaches Ray's core worker
+    after ray.shutdown makes Ray end the whole process ("The core worker has already been
+    shutdown ... The process will exit"), which twice ended a full run silently right after
+    test_elastic.py's node tests."""
     ray.init(address=lc.address, logging_level="WARNING", log_to_driver=False)
     try:
         yield lc
     finally:
-        ray.shutdown()
-        if restore_nodes is not None:
-            restore_worker_nodes(lc, restore_nodes)
+        try:
+            if restore_nodes is not None:
+                restore_worker_nodes(lc, restore_nodes)
+        finally:
+            ray.shutdown()
 
 
 def restore_worker_nodes(lc: LocalCluster, count: int) -> None:

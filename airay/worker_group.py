@@ -116,10 +116,7 @@ class WorkerGroup:
         done, failed = {}, {}
         for key, ref in zip(keys, refs):
             try:
-                value = ray.get(ref, timeout=max(0.0, deadline - time.time()))
-                if isinstance(value, Exception):  # an error put in place of a call (upload_from_store)
-                    raise value
-                done[key] = value
+                done[key] = ray.get(ref, timeout=max(0.0, deadline - time.time()))
             except Exception as exc:  # the rank or store died, or its storage failed: the caller decides
                 failed[key] = error_text(exc)
         return done, failed
@@ -448,11 +445,12 @@ class WorkerGroup:
 
     def upload_from_store(self, step: int, names: list[str], location: str, nodes: list[str]):
         """A node's store uploads files of `step` it holds (a lost rank's, from its own node or
-        its peer copy): the first of `nodes` whose store is alive; returns the call's ref."""
+        its peer copy): the first of `nodes` whose store is alive; returns the call's ref (its
+        value {"missing": names} when no live node holds them)."""
         stores = self._live_stores()
         node = next((n for n in nodes if n in stores), None)
         if node is None:
-            return ray.put(RuntimeError(f"no live node holds {names[:2]} of step {step}"))
+            return ray.put({"missing": list(names)})
         return stores[node].upload.remote(step, names, location)
 
     def load(self, ckpt: CheckpointInfo, durable: str | None,

@@ -5,7 +5,8 @@ scripts each call's rank outcomes: `script[call][n] = {rank: kind}` makes the n-
 of `call` ("form", "train", "save", "load", "persist", "upload") fail on those ranks, kind
 "died", "hung", "oom" (MemoryError), "user" (an exception in user code), "internal" (one in airay's own
 code), "gpu" (a CUDA error), "nccl" (NCCL's own failure) or "comm" (a collective aborted behind a
-peer's failure); an upload kind "storage" fails the upload as a storage error would. Workers are
+peer's failure); an upload kind "storage" fails the upload as a storage error would;
+`script["copies_lost"]` names steps of which no store holds a failed upload's files. Workers are
 started at once (ready on the next poll, or after
 `ready_after` polls each), steps are instant with a deterministic loss, and durable uploads
 write files of the declared sizes, so the durable tier's listing sees them as complete.
@@ -295,6 +296,8 @@ class FakeGroup:
         raise NotImplementedError("the fake group exports nothing")
 
     def upload_from_store(self, step, names, location, nodes):
+        if step in self.script.get("copies_lost", ()):  # the peer copy was cut short with its sender's node
+            return FakeRef({"missing": list(names)})
         return FakeRef(error=OSError("scripted: the store's upload fails too"))
 
     def load(self, ckpt, durable, faults=None):

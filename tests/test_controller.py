@@ -158,6 +158,21 @@ def test_a_final_checkpoint_that_never_becomes_durable_fails_the_run_with_the_re
     assert events(ctl, "run_failed")[0]["durable_step"] == 15
 
 
+def test_a_step_whose_lost_ranks_files_have_no_copy_left_is_not_durable_and_is_not_a_storage_failure(tmp_path):
+    # Seen in the demo: a node lost as step 45 was uploading, before its rank's peer copy was
+    # complete. Its upload from the peer's store cannot succeed, and retries would not change that.
+    ctl, _ = controller(tmp_path, {"upload": {2: {1: "died"}}, "copies_lost": {10}},
+                        checkpoint={"upload_retries": 2}, health={"max_checkpoint_failures": 1})
+    result = ctl.run()
+    assert result.status == "finished" and result.durable_step == STEPS
+    (skipped,) = events(ctl, "checkpoint_upload_skipped")
+    assert skipped["step"] == 10 and skipped["lost_ranks"] == [1] and skipped["missing"] == ["rank1.pt"]
+    assert "no complete copy" in skipped["reason"]
+    assert not events(ctl, "checkpoint_failed", "checkpoint_retry")
+    durable = [e["step"] for e in events(ctl, "checkpoint_saved") if e["tier"] == "durable"]
+    assert 10 not in durable and durable == sorted(durable) and durable[-1] == STEPS
+
+
 def test_consecutive_checkpoint_failures_end_the_run_before_the_end(tmp_path):
     every = {n: {0: "storage"} for n in range(1, 20)}
     ctl, _ = controller(tmp_path, {"upload": every}, checkpoint={"upload_retries": 0},

@@ -133,12 +133,17 @@ class NodeStore:
 
     def upload(self, step: int, names: list[str], location: str) -> dict:
         """Upload files of `step` this node holds to durable storage (for a rank lost mid-upload);
-        returns {file: [size, crc32]} of the bytes sent, as a rank's upload does."""
+        returns {file: [size, crc32]} of the bytes sent, as a rank's upload does, or {"missing":
+        [names]} when this node holds no complete copy of some (a peer copy cut short by the loss
+        of the node that sent it): then nothing is sent."""
         import time
 
         from airay.checkpoint.layout import step_name
         from airay.checkpoint.storage import Storage
 
+        missing = [name for name in names if not (self.tier.step_dir(step) / name).is_file()]
+        if missing:
+            return {"missing": missing}
         storage, start = Storage(location), time.time()
         sent = {name: list(storage.upload_file(self.tier.step_dir(step) / name, f"{step_name(step)}/{name}"))
                 for name in names}

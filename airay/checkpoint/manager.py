@@ -388,6 +388,10 @@ class Checkpointer:
                                                                save.holders.get(rank, [])))
             save.lost = sorted(failed)
             return
+        gone = sorted(r for r in save.lost if r not in failed and "missing" in save.uploaded.get(r, {}))
+        if gone:
+            self._give_up_upload(save, gone)
+            return
         try:
             if failed:
                 raise RuntimeError("; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items())[:3]))
@@ -419,9 +423,24 @@ class Checkpointer:
                            upload_s=committed - save.upload_t0, upload_wait_s=save.upload_t0 - save.memory_ts,
                            total_s=committed - save.t0, pruned=pruned,
                            upload_windows=[r["window"] for r in reports], retried_ranks=sorted(save.lost))
+        self._next_upload()
+
+    def _next_upload(self) -> None:
         following = self._uploads.finished()
         if following is not None:
             self._start_upload(following)
+
+    def _give_up_upload(self, save: PendingSave, ranks: list[int]) -> None:
+        """No complete copy of `ranks`' files of the step is left (their node was lost before their
+        peer copy was): no retry can make the step durable, and the storage did not fail (no
+        failure counted). A resumed run replays the step from an earlier checkpoint."""
+        if save.step == self.last_saved_step:
+            self.last_saved_durable = False
+        missing = sorted(n for r in ranks for n in save.uploaded[r]["missing"])
+        self.rec.event("checkpoint_upload_skipped", step=save.step, lost_ranks=ranks, missing=missing[:4],
+                       reason=f"no complete copy of rank(s) {ranks}' files is left: their node was lost before "
+                              "their peer copy was complete")
+        self._next_upload()
 
     def _failed(self, tier: str, step: int, error: str) -> None:
         """A checkpoint of `tier` failed for good: say so, with the newest step that is durable;

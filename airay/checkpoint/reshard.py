@@ -97,26 +97,35 @@ def ranks_needed(zero_stage: int, old_world: int, new_rank: int, new_world: int,
 
 
 def gather(pieces: Callable[[int], object], part: int, old_world: int, lo: int, hi: int, total: int,
-           size: int | None = None, touch: Callable[[int, object], None] | None = None):
+           size: int | None = None, touch: Callable[[int, object], None] | None = None, into=None):
     """Elements [lo, hi) of a flat vector of `total` elements kept as partitions of `part`
-    elements (`pieces(r)`: old rank r's tensor, 1-D), zero-padded to `size` (default hi - lo).
-    Only the overlapping elements are read; `touch(r, slice)` is told of each slice read (a dry
-    run on meta tensors finds the bytes a load needs: airay.checkpoint.ranges)."""
+    elements (`pieces(r)`: old rank r's tensor, 1-D), zero-padded to `size` (default hi - lo),
+    in a new tensor or in `into` (a tensor of `size` elements). Only the overlapping elements
+    are read; `touch(r, slice)` is told of each slice read (a dry run on meta tensors finds the
+    bytes a load needs: airay.checkpoint.ranges)."""
     import torch
 
     end = min(hi, total)
-    out = []
+    found = []
     for r in overlapping(lo, end, part, old_world):
         a, b = max(lo, r * part), min(end, (r + 1) * part)
-        out.append(pieces(r)[a - r * part:b - r * part])
+        found.append(pieces(r)[a - r * part:b - r * part])
         if touch is not None:
-            touch(r, out[-1])
+            touch(r, found[-1])
     size = hi - lo if size is None else size
-    have = sum(t.numel() for t in out)
-    if have < size:  # padding past the end (optimizer state is fp32 whatever the model's dtype)
-        out.append(torch.zeros(size - have, dtype=out[0].dtype if out else torch.float32,
-                               device=out[0].device if out else "cpu"))
-    return torch.cat(out).clone() if len(out) > 1 else out[0].clone()
+    have = sum(t.numel() for t in found)
+    # One tensor of the result's size, each piece copied into its place (a concatenation and a
+    # copy of it would hold the result twice: at 70B, GBs a rank), zeros past the end (optimizer
+    # state is fp32 whatever the model's dtype).
+    like = {"dtype": found[0].dtype, "device": found[0].device} if found else {"dtype": torch.float32}
+    out = into if into is not None else torch.empty(size, **like)
+    if have < size:
+        out[have:].zero_()
+    at = 0
+    for t in found:
+        out[at:at + t.numel()].copy_(t)
+        at += t.numel()
+    return out
 
 
 def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
@@ -177,13 +186,18 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     where = _zero3_param_places(old_layout["param_numels"], old_world)  # global param -> (old sub-group, offset)
 
     def reslice(params: range, numels: list[int], flat_of: Callable[[int, int], object]):
-        parts = []
-        for k, n in zip(params, numels):
+        """The new sub-group's flat vector, each parameter's partition gathered into its place."""
+        sizes = [math.ceil(n / new_world) for n in numels]
+        like = flat_of(min(old), where[params.start][0]) if numels else None
+        flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device) if numels else torch.zeros(0)
+        pos = 0
+        for k, n, c_new in zip(params, numels, sizes):
             g_old, at = where[k]
-            c, c_new = math.ceil(n / old_world), math.ceil(n / new_world)
-            lo = new_rank * c_new
-            parts.append(gather(lambda r: flat_of(r, g_old)[at:at + c], c, old_world, lo, lo + c_new, n, touch=touch))
-        return torch.cat(parts) if parts else torch.zeros(0)
+            c = math.ceil(n / old_world)
+            gather(lambda r: flat_of(r, g_old)[at:at + c], c, old_world, new_rank * c_new, (new_rank + 1) * c_new, n,
+                   touch=touch, into=flat[pos:pos + c_new])
+            pos += c_new
+        return flat
 
     def old_state(r: int, g: int) -> dict:
         return old[r][OPTIMIZER_STATE_DICT][OPTIMIZER_STATE_DICT]["state"][g]

@@ -170,6 +170,43 @@ def test_a_files_chunk_crcs_come_from_its_verified_sidecar_or_an_earlier_manifes
     assert sidecar_crcs(manifest(side, inline=[1, 2]), "a.pt", source) == ([1, 2], [], 0)
 
 
+def test_a_zero12_model_file_is_read_without_its_trained_weights_and_loads_the_rest_strictly(tmp_path):
+    """ZeRO-1/2 rebuild the trained weights from the fp32 masters (loading.load_engine): a load
+    reads every other storage of the model-states file (buffers, frozen parameters' fragments)
+    and none of theirs, an alias of a trained weight (tied embeddings) included."""
+    from collections import OrderedDict
+
+    from airay.checkpoint.loading import _without, module_ranges
+    from airay.checkpoint.ranges import load_meta, storage_range, tensors_in
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    model[1].weight.requires_grad_(False)  # frozen: not in the optimizer, so read from the file
+    sd = model.state_dict()
+    sd["2.tied"] = sd["0.weight"]  # an alias: the same storage under another key
+    saved = {"module": sd, "frozen_param_fragments": {"1.weight": torch.ones(64)}, "param_shapes": [{}]}
+    torch.save(saved, tmp_path / "mp_rank_00_model_states.pt")
+    meta = load_meta(tmp_path / "mp_rank_00_model_states.pt")
+    trained = frozenset({"0.weight", "0.bias", "2.tied"})
+    ranges = module_ranges(meta, trained)
+    where = {path: storage_range(t) for path, t in tensors_in(meta)}
+    assert where["/module/0.weight"] == where["/module/2.tied"] and where["/module/0.weight"] not in ranges
+    assert where["/module/0.bias"] not in ranges
+    kept = [p for p in where if p not in {"/module/0.weight", "/module/0.bias", "/module/2.tied"}]
+    assert sorted(ranges) == sorted(where[p] for p in kept) and "/module/1.running_mean" in kept
+    assert "/frozen_param_fragments/1.weight" in kept and "/module/1.weight" in kept
+
+    # The loader: the trained entries are never copied (NaN here), the rest are, keys as strict as torch's.
+    target = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    before = target[0].weight.detach().clone()
+    src = OrderedDict((k, torch.full_like(v, float("nan")) if k in ("0.weight", "0.bias") else v + 1)
+                      for k, v in model.state_dict().items())
+    _without(frozenset({"0.weight", "0.bias"}))(src=src, dst=target)
+    assert torch.equal(target[0].weight, before) and torch.equal(target[1].running_mean, model[1].running_mean + 1)
+    del src["1.running_var"]
+    with pytest.raises(RuntimeError, match=r"missing keys \['1.running_var'\]"):
+        _without(frozenset({"0.weight"}))(src=src, dst=target)
+
+
 def _new_rank(rank, world, stage, port, out, zero, results):
     """A rank of the new world: its engine's layout, then its partition resharded from whole files
     and from sparse copies of only the chunks it needs."""

@@ -141,7 +141,7 @@ def _load_world(rank, world, stage, port, out, extra, results):
     import deepspeed.comm as dist
 
     from airay.checkpoint.layout import Manifest
-    from airay.checkpoint.loading import LoadPlan, needed_files
+    from airay.checkpoint.loading import LoadPlan, load_engine, needed_files, trained_keys
     from airay.checkpoint.reshard import layout_of
     from airay.checkpoint.staging import Writer, install
 
@@ -153,11 +153,14 @@ def _load_world(rank, world, stage, port, out, extra, results):
     engine, plan = _engine(rank, world, stage, port, extra=extra)
     layout = layout_of(engine)
     need = needed_files(manifest, rank, world, layout)
-    lp = LoadPlan(manifest, rank, world, {n: str(old / n) for n in need}, layout)
+    trained = trained_keys(engine)
+    paths = {n: str(old / n) for n in need}
+    for n in (n for n in need if trained and n.endswith("_model_states.pt")):
+        paths[n] = _garbled(old / n, trained, Path(out, f"garbled-{rank}-{n}"))
+    lp = LoadPlan(manifest, rank, world, paths, layout, trained)
     staging = install(engine, Writer())
     staging.plan = lp
-    stage_dir = lp.stage_dir(Path(out) / f"load-{rank}", "ck")
-    load_path, _ = engine.load_checkpoint(str(stage_dir), tag="ck")
+    load_path, _ = load_engine(engine, lp, Path(out) / f"load-{rank}", "ck")
     staging.plan = None
     assert load_path is not None
     ours, ours_scaler = _state(engine, stage), _loss_scaler(engine)
@@ -172,9 +175,24 @@ def _load_world(rank, world, stage, port, out, extra, results):
     theirs_loss = _train(engine, plan, rank, [3])
     differ = sorted(set(ours) ^ set(theirs)) + [k for k in ours if k in theirs and not torch.equal(ours[k], theirs[k])]
     results[rank] = {"need": need, "layout": layout, "old_layout": manifest.layout, "compared": sorted(ours),
+                     "garbled": sorted(trained),
                      "differ": differ, "masters_differ": masters_differ, "ours_loss": ours_loss, "theirs_loss": theirs_loss,
                      "scaler": ours_scaler, "optimizer": type(engine.optimizer.optimizer).__name__,
                      "wrapper": type(engine.optimizer).__name__}
+
+
+def _garbled(path: Path, trained: frozenset, to: Path) -> str:
+    """A copy of a model-states file whose trained weights are NaN bytes: a ZeRO-1/2 load must
+    never read them (airay.checkpoint.loading.trained_keys), so the load still equals DeepSpeed's."""
+    from airay.checkpoint.ranges import load_meta, storage_range, tensors_in
+
+    data = bytearray(path.read_bytes())
+    for where, t in tensors_in(load_meta(path)):
+        if where.startswith("/module/") and where[len("/module/"):] in trained:
+            lo, hi = storage_range(t)
+            data[lo:hi] = b"\xff" * (hi - lo)
+    to.write_bytes(bytes(data))
+    return str(to)
 
 
 def _universal(out):
@@ -253,6 +271,9 @@ def test_reshard_at_load_equals_deepspeeds_universal_checkpoint(tmp_path, stage,
                                   else "AdamW")
         assert r["wrapper"] == ("BF16_Optimizer" if "data_types" in extra else
                                 "DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+        # ZeRO-1/2: every trained weight of the model file was garbage, never read (the weights
+        # came from the masters); the model's own partition above still equals DeepSpeed's.
+        assert (len(r["garbled"]) > 0) == (stage in (1, 2)), r["garbled"]
         # Each new rank read at most the old partitions that overlap its own (plus the model file).
         optim = [n for n in r["need"] if "optim_states" in n]
         assert 1 <= len(optim) <= -(-old // new) + 1, (rank, optim)

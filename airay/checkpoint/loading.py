@@ -141,8 +141,10 @@ class LoadPlan:
     bytes used are read; this rank's own partition built from the old ranks' that overlap it when
     the world size changed (airay.checkpoint.reshard)."""
 
-    def __init__(self, manifest: Manifest, rank: int, world_size: int, paths: dict[str, str], layout: dict):
+    def __init__(self, manifest: Manifest, rank: int, world_size: int, paths: dict[str, str], layout: dict,
+                 trained: frozenset[str] = frozenset()):
         self.manifest, self.rank, self.world, self.paths, self.layout = manifest, rank, world_size, paths, layout
+        self.trained = trained  # module keys whose weights the load rebuilds from the fp32 masters (trained_keys)
         self.reshard_s = 0.0
 
     def stage_dir(self, root: str | os.PathLike, tag: str) -> str:
@@ -223,6 +225,57 @@ class LoadPlan:
                                     totals=self.layout["totals"])
 
 
+def trained_keys(engine) -> frozenset[str]:
+    """The module state dict's keys (every alias) of the parameters a ZeRO-1/2 engine's fp32
+    masters hold, when it restores the masters from a checkpoint (load_from_fp32_weights,
+    DeepSpeed's default): their weights in the model-states file are the masters cast, so a load
+    never reads them (at 7B in bf16, 14 GB a rank, 8 ranks a node, at every resize) and rebuilds
+    them from the masters instead (load_engine). Empty for every other engine."""
+    opt = engine.optimizer
+    groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
+    if engine.zero_optimization_stage() not in (1, 2) or not engine.zero_load_from_fp32_weights() \
+            or not groups or not hasattr(opt, "update_lp_params"):
+        return frozenset()
+    held = {id(p) for group in groups for p in group}
+    return frozenset(k for k, t in engine.module.state_dict(keep_vars=True).items() if id(t) in held)
+
+
+def load_engine(engine, plan: LoadPlan, root: str | os.PathLike, tag: str):
+    """DeepSpeed's load_checkpoint of `plan`'s step (its reads served by the plan, installed on
+    the engine's StagingEngine by the caller); the weights of plan.trained come from the fp32
+    masters, all-gathered from every rank's partition (what DeepSpeed does after loading a
+    universal checkpoint), not from the model-states file. Returns load_checkpoint's answer."""
+    loader = _without(plan.trained) if plan.trained else None
+    load_path, client = engine.load_checkpoint(plan.stage_dir(root, tag), tag=tag, load_optimizer_states=True,
+                                               load_lr_scheduler_states=True, custom_load_fn=loader)
+    if loader is not None and load_path is not None:
+        engine.optimizer.update_lp_params()
+    return load_path, client
+
+
+def _without(skip: frozenset[str]):
+    """A module loader (load_checkpoint's custom_load_fn) that loads every entry but `skip`'s,
+    as strictly as DeepSpeed's own: the file's keys must be the module's."""
+    def load(src, dst):
+        own = set(dst.state_dict().keys())
+        missing, unexpected = sorted(own - set(src)), sorted(set(src) - own)
+        if missing or unexpected:
+            raise RuntimeError(f"the checkpoint's model does not match this one: missing keys {missing[:4]}, "
+                               f"unexpected keys {unexpected[:4]}")
+        kept = type(src)((k, v) for k, v in src.items() if k not in skip)
+        if hasattr(src, "_metadata"):  # the modules' state-dict versions, which their load hooks read
+            kept._metadata = src._metadata
+        dst.load_state_dict(kept, strict=False)
+    return load
+
+
+def module_ranges(structure, trained: frozenset[str]) -> list[tuple[int, int]]:
+    """The byte ranges of a model-states file (its structure loaded on the meta device) a load
+    reads: every storage but those of the `trained` module entries (load_engine rebuilds them)."""
+    skip = {f"/module/{k}" for k in trained}
+    return [storage_range(t) for path, t in tensors_in(structure) if path not in skip]
+
+
 def needed_files(manifest: Manifest, rank: int, world_size: int, layout: dict) -> list[str]:
     """The manifest's names of the files this rank reads (bf16 engines name them bf16_...)."""
     names = files_to_load(manifest, rank, world_size, layout)
@@ -230,13 +283,15 @@ def needed_files(manifest: Manifest, rank: int, world_size: int, layout: dict) -
 
 
 def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, names: list[str], source: Source,
-                  sparse_dir: str | os.PathLike) -> tuple[dict[str, str], list[dict], int, int, dict[str, str]]:
-    """For a resharded load from a manifest with chunk CRCs: local copies of the old optimizer
-    files `names` holding just the chunks this rank's reshard reads (airay.checkpoint.ranges),
-    each verified, nearest copy first: the node's own whole file when it has one (read in place),
-    else a sparse copy filled from a peer's store or durable storage. Returns (paths, bad copies
-    met, bytes read, bytes the reshard uses, the kind of copy that served each file most).
-    Raises CheckpointUnavailable when a chunk has no good copy."""
+                  sparse_dir: str | os.PathLike, trained: frozenset[str] = frozenset()
+                  ) -> tuple[dict[str, str], list[dict], int, int, dict[str, str]]:
+    """For a load from a manifest with chunk CRCs: local copies of the files `names` holding just
+    the chunks this rank reads (airay.checkpoint.ranges): of old optimizer files, what its reshard
+    takes; of a model-states file, all but the `trained` weights (module_ranges). Each chunk is
+    verified, nearest copy first: the node's own whole file when it has one (read in place), else
+    a sparse copy filled from a peer's store or durable storage. Returns (paths, bad copies met,
+    bytes read, bytes the load uses, the kind of copy that served each file most). Raises
+    CheckpointUnavailable when a chunk has no good copy."""
     import ray
 
     step = manifest.step
@@ -269,7 +324,8 @@ def fetch_partial(manifest: Manifest, rank: int, world_size: int, layout: dict, 
             skeletons[name], met = load_skeleton(c, fetchers[name])
             bad += met
         plan = LoadPlan(manifest, rank, world_size, {n: c.path for n, c in copies.items()}, layout)
-        wanted = plan.needed_ranges(skeletons.__getitem__)
+        wanted = plan.needed_ranges(skeletons.__getitem__) if any("optim_states" in n for n in names) else {}
+        wanted.update({n: module_ranges(skeletons[n], trained) for n in names if n.endswith("_model_states.pt")})
         for name, ranges in wanted.items():
             bad += copies[name].ensure(chunks_of(ranges, copies[name].size, copies[name].chunk_bytes), fetchers[name])
     except ChunkUnavailable as exc:

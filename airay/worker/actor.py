@@ -450,7 +450,8 @@ class TrainWorker:
         from airay.checkpoint.layout import Manifest, step_name
         import shutil
 
-        from airay.checkpoint.loading import LoadPlan, Source, fetch_partial, fetch_verified, needed_files
+        from airay.checkpoint.loading import LoadPlan, Source, fetch_partial, fetch_verified, needed_files, \
+            trained_keys
         from airay.checkpoint.reshard import layout_of
         from airay.checkpoint.tiers import node_dir, scratch_dir
 
@@ -466,10 +467,12 @@ class TrainWorker:
                          for n, holders in spec["peers"].items()}, spec["durable"])
         paths, copies, bad = {}, {"local": 0, "peer": 0, "durable": 0}, []
         names = needed_files(manifest, rank, world, layout)
-        # At another world size, old partitions are read in part, chunk by verified chunk, when
-        # the manifest has chunk CRCs (airay.checkpoint.ranges); whole files otherwise.
-        partial = [n for n in names if "optim_states" in n] \
-            if manifest.chunk_bytes and manifest.world_size != world else []
+        trained = trained_keys(self.engine)
+        # When the manifest has chunk CRCs (airay.checkpoint.ranges), files are read in part,
+        # chunk by verified chunk: at another world size, the old partitions; with ZeRO-1/2, the
+        # model-states file without the trained weights (rebuilt from the masters). Whole otherwise.
+        partial = [n for n in names if ("optim_states" in n and manifest.world_size != world)
+                   or (trained and n.endswith("_model_states.pt"))] if manifest.chunk_bytes else []
         for i, name in enumerate(n for n in names if n not in partial):
             self._at(spec["step"], i, "fetch")  # progress for the driver's hang watch, file by file
             f = manifest.files[name]
@@ -482,13 +485,13 @@ class TrainWorker:
             self._at(spec["step"], len(paths), "fetch")
             shutil.rmtree(scratch_dir() / "sparse", ignore_errors=True)
             got, met, part_read, part_needed, served = fetch_partial(
-                manifest, rank, world, layout, partial, source, scratch_dir() / "sparse")
+                manifest, rank, world, layout, partial, source, scratch_dir() / "sparse", trained)
             paths.update(got)
             bad += met
             for kind in served.values():
                 copies[kind] += 1
             read, needed = read + part_read, needed + part_needed
-        self._load_plan = LoadPlan(manifest, rank, world, paths, layout)
+        self._load_plan = LoadPlan(manifest, rank, world, paths, layout, trained)
         return {"copies": copies, "bad": bad, "files": sorted(paths), "fetch_s": time.perf_counter() - t0,
                 "bytes": read, "bytes_needed": needed, "partial_files": len(partial)}
 
@@ -499,6 +502,7 @@ class TrainWorker:
         import shutil
 
         from airay.checkpoint.layout import step_name
+        from airay.checkpoint.loading import load_engine
         from airay.checkpoint.tiers import scratch_dir
 
         t0 = time.perf_counter()
@@ -510,9 +514,7 @@ class TrainWorker:
         shutil.rmtree(stage_dir, ignore_errors=True)
         self.engine.checkpoint_engine.plan = plan
         try:
-            load_path, client = self.engine.load_checkpoint(plan.stage_dir(stage_dir, step_name(step)),
-                                                            tag=step_name(step), load_optimizer_states=True,
-                                                            load_lr_scheduler_states=True)
+            load_path, client = load_engine(self.engine, plan, stage_dir, step_name(step))
         finally:
             self.engine.checkpoint_engine.plan = None
             shutil.rmtree(stage_dir, ignore_errors=True)

@@ -27,7 +27,7 @@ from airay.worker.dist import NCCL_ENV, abort_nccl_groups, collective_counts, gr
     rendezvous_store, reset_group_count, shutdown_sockets, tcp_socket_fds
 from airay.worker.failures import UserCodeError, describe, failure_kind, named
 from airay.worker.logs import name_rank, quiet_deepspeed
-from airay.worker.memory import release_heap
+from airay.worker.memory import release_heap, trim_heap
 from airay.worker.build import build_model, hf_zero3, partitioned
 from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
@@ -241,6 +241,10 @@ class TrainWorker:
         reset_zero3_globals()
         from airay.worker.memory import peak_since, start_peak
 
+        # The engine of the world before, if a failed call's traceback still held it when this
+        # rank left (its frames reach the engine: leave's collection could not free it), is
+        # garbage now: freed before this world's engine is built, not after the load.
+        release_heap()
         rss_before = start_peak()
         cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", False)
         if stand_in:  # a world of one: nothing to slice the stand-in over
@@ -256,6 +260,9 @@ class TrainWorker:
         # Their peak cost in host memory: the model (its partition, under ZeRO-3), then the engine
         # (optimizer state, gradient partitions, buffers).
         build_rss = {"model": model_rss, "engine": peak_since(rss_before)}
+        # The model's own tensors, copied into the engine's flat buffers and freed, leave the C
+        # heap now: a load's optimizer state comes next, in blocks too large to reuse them.
+        trim_heap()
         staging.install(self.engine, self._ckpt_writer)
         self._at(-1, 3, "join")
         dist.barrier()

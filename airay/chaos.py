@@ -154,9 +154,10 @@ def damage_checkpoint(kind: str, candidates: list, group, rank: int, storage) ->
     """Damage the checkpoint a recovery would load; returns what was done (for the event).
 
     corrupt_checkpoint: flip bytes in every copy (each node's memory tier, the durable tier) of the
-    largest file of the newest complete step: no good copy is left, so the run rejects the step
-    and loads the one before. corrupt_memory_copy: flip bytes in the memory copy, on `rank`'s node,
-    of the largest file `rank` wrote to the newest memory step: its load (on that node) reads the
+    largest optimizer-state file of the newest complete step (a load at any world size reads every
+    byte of the partitions, while a ZeRO-1/2 model-states file's trained weights are never read:
+    loading.trained_keys): no good copy is left, so the run rejects the step and loads the one before. corrupt_memory_copy: flip bytes in the memory copy, on `rank`'s node,
+    of the largest optimizer-state file `rank` wrote to the newest memory step: its load (on that node) reads the
     next copy, a peer's. lose_node_memory: the memory copies of the newest memory step on `rank`'s node are
     lost, as with that node's memory: the files its ranks wrote come from the peer copies."""
     memory = [c for c in candidates if c.tier == "memory"]
@@ -166,10 +167,13 @@ def damage_checkpoint(kind: str, candidates: list, group, rank: int, storage) ->
     if kind == "lose_node_memory":
         return {"checkpoint_step": info.step, "node_id": node, "removed": group.drop_memory(info.step, node)}
     if kind == "corrupt_memory_copy":
-        name = max((n for n, f in files.items() if f.rank == rank), key=lambda n: files[n].size)
+        own = [n for n, f in files.items() if f.rank == rank]
+        name = max((n for n in own if "optim_states" in n), key=lambda n: files[n].size, default=None) \
+            or max(own, key=lambda n: files[n].size)
         return {"checkpoint_step": info.step, "file": name, "node_id": node,
                 "copies": group.damage_memory(info.step, name, nodes=[node])}
-    name = max(files, key=lambda n: files[n].size)
+    name = max((n for n in files if "optim_states" in n), key=lambda n: files[n].size, default=None) \
+        or max(files, key=lambda n: files[n].size)  # stage 0: the model-states file holds everything
     damaged = group.damage_memory(info.step, name)
     rel = f"step_{info.step:08d}/{name}"
     if storage.size(rel) is not None:

@@ -65,7 +65,8 @@ def test_exhaust_memory_raises_memory_error_within_its_cap():
 
 def test_checkpoint_faults_pick_their_file_and_copies(tmp_path):
     """corrupt_checkpoint damages every copy (each node's, the durable one, same size: only
-    checksums tell); corrupt_memory_copy the rank's own copy of its largest file; lose_node_memory
+    checksums tell) of the largest optimizer-state file, which every load reads (a ZeRO-1/2 load
+    never reads the model file's trained weights); corrupt_memory_copy the rank's own copy of its largest file; lose_node_memory
     the rank's node's copies."""
     from types import SimpleNamespace
 
@@ -73,7 +74,7 @@ def test_checkpoint_faults_pick_their_file_and_copies(tmp_path):
     from airay.checkpoint.storage import Storage
 
     files = {"mp_rank_00_model_states.pt": FileEntry(900, 1, 0), "zero_pp_rank_0_mp_rank_00_optim_states.pt":
-             FileEntry(500, 2, 0), "zero_pp_rank_1_mp_rank_00_optim_states.pt": FileEntry(500, 3, 1)}
+             FileEntry(500, 2, 0), "zero_pp_rank_1_mp_rank_00_optim_states.pt": FileEntry(600, 3, 1)}
     manifest = Manifest(10, 2, 2, {}, files)
     memory = CheckpointInfo(10, 2, 1900, "memory", "memory:step_00000010", manifest=manifest)
     durable = CheckpointInfo(10, 2, 1900, "durable", "d", manifest=manifest)
@@ -93,10 +94,11 @@ def test_checkpoint_faults_pick_their_file_and_copies(tmp_path):
 
     storage = Storage(str(tmp_path))
     big = bytes(range(256)) * 4
-    storage.write_bytes("step_00000010/mp_rank_00_model_states.pt", big)
+    storage.write_bytes("step_00000010/zero_pp_rank_1_mp_rank_00_optim_states.pt", big)
     done = damage_checkpoint("corrupt_checkpoint", [memory, durable], Group(), 1, storage)
-    assert done["file"] == "mp_rank_00_model_states.pt" and calls[-1] == ("damage", 10, done["file"], None)
-    after = storage.read_bytes("step_00000010/mp_rank_00_model_states.pt")
+    assert done["file"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert calls[-1] == ("damage", 10, done["file"], None)
+    after = storage.read_bytes("step_00000010/zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert len(after) == len(big) and after != big and len(done["copies"]) == 2
     done = damage_checkpoint("corrupt_memory_copy", [memory, durable], Group(), 1, storage)
     assert done["file"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt" and done["node_id"] == "node1"

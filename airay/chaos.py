@@ -167,13 +167,10 @@ def damage_checkpoint(kind: str, candidates: list, group, rank: int, storage) ->
     if kind == "lose_node_memory":
         return {"checkpoint_step": info.step, "node_id": node, "removed": group.drop_memory(info.step, node)}
     if kind == "corrupt_memory_copy":
-        own = [n for n, f in files.items() if f.rank == rank]
-        name = max((n for n in own if "optim_states" in n), key=lambda n: files[n].size, default=None) \
-            or max(own, key=lambda n: files[n].size)
+        name = _largest_read([n for n, f in files.items() if f.rank == rank], files)
         return {"checkpoint_step": info.step, "file": name, "node_id": node,
                 "copies": group.damage_memory(info.step, name, nodes=[node])}
-    name = max((n for n in files if "optim_states" in n), key=lambda n: files[n].size, default=None) \
-        or max(files, key=lambda n: files[n].size)  # stage 0: the model-states file holds everything
+    name = _largest_read(list(files), files)
     damaged = group.damage_memory(info.step, name)
     rel = f"step_{info.step:08d}/{name}"
     if storage.size(rel) is not None:
@@ -183,6 +180,13 @@ def damage_checkpoint(kind: str, candidates: list, group, rank: int, storage) ->
         storage.write_bytes(rel, bytes(data))
         damaged.append(storage.uri(rel))
     return {"checkpoint_step": info.step, "file": name, "copies": damaged}
+
+
+def _largest_read(names: list[str], files: dict) -> str:
+    """The largest optimizer-state file of `names` (every load reads all of it), else the largest
+    (stage 0: the model-states file holds everything)."""
+    optim = [n for n in names if "optim_states" in n]
+    return max(optim or names, key=lambda n: files[n].size)
 
 
 def spoil_rows(pieces: list, lo: int, hi: int, bad) -> list:

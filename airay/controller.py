@@ -747,7 +747,8 @@ class Controller:
                        workers=[{**{k: m.info.get(k) for k in ("node_id", "pid", "device", "gpu_ids", "backend",
                                                                "timeline")},
                                  **{k: m.joined.get(k) for k in ("local_rank", "cuda_visible_devices", "cuda_device",
-                                                                 "engine_device", "build_rss")}}
+                                                                 "engine_device", "build_rss",
+                                                                 "engine_outlived_leave")}}
                                 for m in self.group.active])
         return True
 

@@ -143,6 +143,10 @@ def test_worker_kill_shrinks_regrows_and_matches_fault_free(tmp_path, cluster, b
     loaded = events(result, "checkpoint_loaded")
     assert [(e["step"], e["saved_world_size"], e["world_size"]) for e in loaded][0] == (10, 4, 3)
     assert loaded[1]["step"] == grow["resumed_step"] and loaded[1]["world_size"] == 4
+    # The survivors' failed step held their engine in its frames (a ZeRO-3 engine and its
+    # optimizer): leaving freed it anyway, before the next world's engine was built.
+    formed = events(result, "world_formed")
+    assert [w["engine_outlived_leave"] for w in formed[1]["workers"]] == [False] * 3
     assert_same_losses(result, baselines[zero_stage])
     assert_released()
 

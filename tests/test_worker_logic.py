@@ -214,3 +214,38 @@ def test_a_rank_imports_deepspeed_without_mlflow_or_compiling_muon_and_both_stil
                             "original_muon; print('mlflow' in sys.modules, 'torch._inductor.compile_fx' in sys.modules)"],
                            capture_output=True, text=True, timeout=120, check=True)
     assert plain.stdout.split()[-2:] == ["True", "True"]
+
+
+def test_forget_locals_frees_what_a_failed_steps_frames_held_and_keeps_the_traceback_text():
+    import gc
+    import traceback
+    import weakref
+
+    from airay.worker.memory import forget_locals
+
+    class Engine:  # stands for the engine a step's frames reach
+        pass
+
+    def step(engine):
+        batch = [engine]  # noqa: F841 - a local the traceback's frame holds
+        raise RuntimeError("peer gone")
+
+    def train(engine):
+        try:
+            step(engine)
+        except RuntimeError as exc:
+            raise ConnectionError("collective failed") from exc  # a chain: the cause's frames too
+
+    engine = Engine()
+    alive = weakref.ref(engine)
+    try:
+        train(engine)
+    except ConnectionError as exc:
+        del engine
+        gc.collect()
+        assert alive() is not None  # held by the failed call's frames, whatever the collection
+        forget_locals(exc)
+        gc.collect()
+        assert alive() is None
+        text = "".join(traceback.format_exception(exc))
+        assert "in step" in text and "peer gone" in text and "collective failed" in text

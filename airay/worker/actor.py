@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +28,7 @@ from airay.worker.dist import NCCL_ENV, abort_nccl_groups, collective_counts, gr
     rendezvous_store, reset_group_count, shutdown_sockets, tcp_socket_fds
 from airay.worker.failures import UserCodeError, describe, failure_kind, named
 from airay.worker.logs import name_rank, quiet_deepspeed
-from airay.worker.memory import release_heap, trim_heap
+from airay.worker.memory import forget_locals, release_heap, trim_heap
 from airay.worker.build import build_model, hf_zero3, partitioned
 from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
 
@@ -88,6 +89,7 @@ class TrainWorker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.engine = None
+        self._engine_outlived_leave = False  # the last engine dropped was still referenced after leave()
         self._hf_zero3 = None  # transformers' DeepSpeed integration, registered for a ZeRO-3 engine
         self.rank: int | None = None
         self.plan: BatchPlan | None = None
@@ -241,10 +243,8 @@ class TrainWorker:
         reset_zero3_globals()
         from airay.worker.memory import peak_since, start_peak
 
-        # The engine of the world before, if a failed call's traceback still held it when this
-        # rank left (its frames reach the engine: leave's collection could not free it), is
-        # garbage now: freed before this world's engine is built, not after the load.
-        release_heap()
+        if self._engine_outlived_leave:  # garbage by now, most likely (the failed call has ended): freed
+            release_heap()               # before this world's engine is built, not after the load
         rss_before = start_peak()
         cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", False)
         if stand_in:  # a world of one: nothing to slice the stand-in over
@@ -275,7 +275,7 @@ class TrainWorker:
         handed = {"local_rank": int(os.environ["LOCAL_RANK"]), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "cuda_device": self.assigned.cuda_device, "engine_device": str(self.engine.device)}
         return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0, "build_rss": build_rss,
-                **handed}
+                "engine_outlived_leave": self._engine_outlived_leave, **handed}
 
     @ray.method(concurrency_group="control")
     def abort_world(self, rendezvous_port: int | None = None) -> int:
@@ -337,8 +337,11 @@ class TrainWorker:
                 drop_engine(self.engine)
             except Exception as exc:  # a half-broken engine after a peer died; we drop it anyway
                 print(f"[airay] rank {self.rank}: engine.destroy failed, engine dropped: {type(exc).__name__}: {exc}")
-            self.engine = None
+            dropped, self.engine = weakref.ref(self.engine), None
             release_heap()  # the dropped engine's state, before the next world's engine is built
+            # Still referenced (a failed call's frames, a hook, a global): its memory stays taken
+            # while the next world's engine is built; world_formed reports it.
+            self._engine_outlived_leave = dropped() is not None
         self._hf_zero3 = None
         if tdist.is_available() and tdist.is_initialized():
             try:
@@ -561,6 +564,7 @@ class TrainWorker:
             # After a CUDA error every call on this process's context fails (or hangs, freeing
             # an engine's memory or a communicator): the driver replaces the process instead.
             if failure_kind(exc) != "gpu":
+                forget_locals(exc)  # the failed step's frames reach the engine: leave frees it now
                 self.leave()
             raise
         if self._preempted_at is not None and out:

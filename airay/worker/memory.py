@@ -63,3 +63,21 @@ def release_heap() -> None:
 
     gc.collect()
     trim_heap()
+
+
+def forget_locals(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames `exc`'s traceback holds, and those of
+    the exceptions it was raised from. A failed step's frames reach the engine (its module, its
+    optimizer, the step's activations): while the exception lives (the rest of the failed call,
+    Ray's report of it) no collection can free them. The line numbers stay for the traceback's
+    text; frames still running are left as they are."""
+    import traceback
+
+    pending, seen = [exc], set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        pending += [e.__cause__, e.__context__]

@@ -235,3 +235,64 @@ def test_a_build_for_a_checkpoint_moves_no_weights_between_ranks_and_resumes_exa
         assert r["init_broadcasts"] == r["params"] and r["deepspeed_gathers"] >= r["params"], (rank, r)
         assert r["load_broadcasts"] == 0 and r["airay_gathers"] < r["params"] // 4, (rank, r)
         assert r["resumed"] == r["reference"], (rank, r)  # bit for bit: the same weights and moments
+
+
+def _replicated_build_for_load(rank, port, ckpt, stage, results):
+    """Rank `rank` of a world of 2 at ZeRO `stage` (0-2: every rank holds the whole model): an
+    engine trains a step and saves; then a build for that checkpoint, whose "uninitialised"
+    weights are made NaN on purpose, loads it as a resize does, and both train the next step."""
+    import deepspeed  # noqa: F401 - DeepSpeed's accelerator before the engine
+
+    sys.path.insert(0, str(ROOT))
+    import airay.worker.build as build
+    from airay.checkpoint.loading import _without, trained_keys
+    from airay.models import tiny_gpt
+    from airay.policy import plan_batch
+    from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
+
+    worlds.join(rank, 2, port)
+    plan = plan_batch(2, 1, 2)
+    cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}},
+                        plan, True, False)
+    batches = [{"tokens": torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(10 * s + rank))}
+               for s in range(2)]
+
+    def step(engine, s):
+        loss = tiny_gpt.loss(engine, batches[s])
+        backward_micro_batch(engine, loss, 1, plan)
+        return float(loss)
+
+    small = {"d_model": 64, "n_layers": 2}
+    engine = build_engine(build.build_model(tiny_gpt.build, small, 0, cfg), cfg, plan, "cpu")
+    step(engine, 0)
+    engine.save_checkpoint(ckpt, tag="s1", save_latest=False)
+    out = {"reference": step(engine, 1)}
+    drop_engine(engine)
+    del engine
+    def nan(tensor, *args, **kwargs):  # where an initialiser would have written
+        with torch.no_grad():
+            return tensor.fill_(float("nan"))
+
+    build._keep = nan
+    model = build.build_model(tiny_gpt.build, small, 0, cfg, init_weights=False)
+    out["built_nan"] = all(bool(torch.isnan(p).all()) for p in model.parameters())
+    engine = build_engine(model, cfg, plan, "cpu")
+    trained = trained_keys(engine)  # ZeRO-1/2: from the fp32 masters, as airay's load (load_engine) does
+    out["from_masters"] = len(trained)
+    engine.load_checkpoint(ckpt, tag="s1", custom_load_fn=_without(trained) if trained else None)
+    if trained:
+        engine.optimizer.update_lp_params()
+    out["resumed"] = step(engine, 1)
+    results[rank] = out
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_replicated_build_for_a_checkpoint_initialises_nothing_and_resumes_exactly(tmp_path, stage):
+    # Stages 0-2 hold the whole model on every rank: a survivor's resize ran the factory's random
+    # initialisation (about a second a rank at 101M parameters here) for weights the load replaces.
+    results = mp.Manager().dict()
+    worlds.spawn(_replicated_build_for_load, args=(_port(), str(tmp_path), stage, results), nprocs=2)
+    for rank, r in dict(results).items():
+        assert r["built_nan"], (rank, r)  # no initialiser wrote a parameter: each went through _keep
+        assert (r["from_masters"] > 0) == (stage > 0), (rank, r)
+        assert r["resumed"] == r["reference"], (rank, r)  # bit for bit, whatever the build left in memory

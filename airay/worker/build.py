@@ -16,8 +16,10 @@ architecture without initialising it: the factory's `without_weights` when it ha
 that reads pretrained weights should: airay.models.hf does), otherwise the factory with torch's
 in-place initialisers turned into no-ops; under ZeRO-3, zero.Init then keeps each rank's slice
 as built instead of broadcasting rank 0's whole parameter first (a model's worth of traffic per
-rank, for values the checkpoint replaces). Stages 0-2 keep the whole model on every rank anyway
-(their parameters are replicated), so their factories run as they are.
+rank, for values the checkpoint replaces). Stages 0-2 keep the whole model on every rank (their
+parameters are replicated), built the same way: no random initialisation either (at 101M
+parameters about a second of a survivor's resize here; at 7B, minutes of CPU per rank), and the
+load fills every weight (a ZeRO-1/2 load from the fp32 masters: airay.checkpoint.loading).
 """
 
 from __future__ import annotations
@@ -114,17 +116,18 @@ def build_model(factory: Callable[..., Any], kwargs: dict[str, Any], seed: int, 
     user's code (the actor's: its errors carry the rank and traceback)."""
     call = call or (lambda fn, *a, **k: fn(*a, **k))
     without = getattr(factory, "without_weights", None)
+    if not init_weights and without is not None:
+        build, context = without, contextlib.nullcontext()
+    else:
+        build, context = factory, (contextlib.nullcontext() if init_weights else no_weight_init())
     if not partitioned(ds_config):
-        return call(factory, seed=seed, **kwargs)
+        with context:
+            return call(build, seed=seed, **kwargs)
     import deepspeed
 
     from airay.worker.deepspeed_compat import preload_for_zero_init, zero_init_without_broadcast
 
     preload_for_zero_init()
-    if not init_weights and without is not None:
-        build, context = without, contextlib.nullcontext()
-    else:
-        build, context = factory, (contextlib.nullcontext() if init_weights else no_weight_init())
     # A factory that builds through transformers partitions itself (hf_zero3); a second zero.Init
     # around it would be a no-op (DeepSpeed counts nested contexts), but keep the one owner clear.
     marked = getattr(build, "builds_partitioned", False)

@@ -168,6 +168,21 @@ def _counting(calls, name, fn):
     return counted
 
 
+def _two_steps(rank, plan):
+    """step(engine, s): rank `rank`'s micro-batch of step s (0 or 1) through `engine`; its loss."""
+    from airay.models import tiny_gpt
+    from airay.worker.engine import backward_micro_batch
+
+    batches = [{"tokens": torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(10 * s + rank))}
+               for s in range(2)]
+
+    def step(engine, s):
+        loss = tiny_gpt.loss(engine, batches[s])
+        backward_micro_batch(engine, loss, 1, plan)
+        return float(loss)
+    return step
+
+
 def _resize_build(rank, port, ckpt, results):
     """Rank `rank` of a world of 2: an engine as DeepSpeed builds it trains a step and saves; then
     airay's build for that checkpoint (a resize's) loads it, and both train the next step."""
@@ -181,7 +196,7 @@ def _resize_build(rank, port, ckpt, results):
     from airay.policy import plan_batch
     from airay.worker.build import build_model
     from airay.worker.deepspeed_compat import reset_zero3_globals
-    from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
+    from airay.worker.engine import build_engine, drop_engine, engine_config
 
     worlds.join(rank, 2, port)
     plan = plan_batch(2, 1, 2)
@@ -190,13 +205,7 @@ def _resize_build(rank, port, ckpt, results):
     calls = collections.Counter()  # the collectives of zero.Init's broadcast and a parameter's gather
     dist.broadcast = _counting(calls, "broadcast", dist.broadcast)
     dist.all_gather_into_tensor = _counting(calls, "all_gather", dist.all_gather_into_tensor)
-    batches = [{"tokens": torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(10 * s + rank))}
-               for s in range(2)]
-
-    def step(engine, s):
-        loss = tiny_gpt.loss(engine, batches[s])
-        backward_micro_batch(engine, loss, 1, plan)
-        return float(loss)
+    step = _two_steps(rank, plan)
 
     out = {}
     reset_zero3_globals()
@@ -248,19 +257,13 @@ def _replicated_build_for_load(rank, port, ckpt, stage, results):
     from airay.checkpoint.loading import _without, trained_keys
     from airay.models import tiny_gpt
     from airay.policy import plan_batch
-    from airay.worker.engine import backward_micro_batch, build_engine, drop_engine, engine_config
+    from airay.worker.engine import build_engine, drop_engine, engine_config
 
     worlds.join(rank, 2, port)
     plan = plan_batch(2, 1, 2)
     cfg = engine_config({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}},
                         plan, True, False)
-    batches = [{"tokens": torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(10 * s + rank))}
-               for s in range(2)]
-
-    def step(engine, s):
-        loss = tiny_gpt.loss(engine, batches[s])
-        backward_micro_batch(engine, loss, 1, plan)
-        return float(loss)
+    step = _two_steps(rank, plan)
 
     small = {"d_model": 64, "n_layers": 2}
     engine = build_engine(build.build_model(tiny_gpt.build, small, 0, cfg), cfg, plan, "cpu")

@@ -156,8 +156,9 @@ def damage_checkpoint(kind: str, candidates: list, group, rank: int, storage) ->
     corrupt_checkpoint: flip bytes in every copy (each node's memory tier, the durable tier) of the
     largest optimizer-state file of the newest complete step (a load at any world size reads every
     byte of the partitions, while a ZeRO-1/2 model-states file's trained weights are never read:
-    loading.trained_keys): no good copy is left, so the run rejects the step and loads the one before. corrupt_memory_copy: flip bytes in the memory copy, on `rank`'s node,
-    of the largest optimizer-state file `rank` wrote to the newest memory step: its load (on that node) reads the
+    loading.trained_keys): no good copy is left, so the run rejects the step and loads the one
+    before. corrupt_memory_copy: flip bytes in the memory copy, on `rank`'s node, of the largest
+    optimizer-state file `rank` wrote to the newest memory step: its load (on that node) reads the
     next copy, a peer's. lose_node_memory: the memory copies of the newest memory step on `rank`'s node are
     lost, as with that node's memory: the files its ranks wrote come from the peer copies."""
     memory = [c for c in candidates if c.tier == "memory"]

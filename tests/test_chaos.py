@@ -66,8 +66,8 @@ def test_exhaust_memory_raises_memory_error_within_its_cap():
 def test_checkpoint_faults_pick_their_file_and_copies(tmp_path):
     """corrupt_checkpoint damages every copy (each node's, the durable one, same size: only
     checksums tell) of the largest optimizer-state file, which every load reads (a ZeRO-1/2 load
-    never reads the model file's trained weights); corrupt_memory_copy the rank's own copy of its largest file; lose_node_memory
-    the rank's node's copies."""
+    never reads the model file's trained weights); corrupt_memory_copy the rank's own copy of its
+    largest file; lose_node_memory the rank's node's copies."""
     from types import SimpleNamespace
 
     from airay.checkpoint.layout import CheckpointInfo, FileEntry, Manifest

@@ -243,8 +243,11 @@ class TrainWorker:
         reset_zero3_globals()
         from airay.worker.memory import peak_since, start_peak
 
-        if self._engine_outlived_leave:  # garbage by now, most likely (the failed call has ended): freed
-            release_heap()               # before this world's engine is built, not after the load
+        # The engine dropped before this join, if leave() could not free it: garbage by now, most
+        # likely (the failed call has ended), freed before this world's engine is built.
+        outlived, self._engine_outlived_leave = self._engine_outlived_leave, False
+        if outlived:
+            release_heap()
         rss_before = start_peak()
         cfg = engine_config(self.config.deepspeed, self.plan, self.device == "cpu", False)
         if stand_in:  # a world of one: nothing to slice the stand-in over
@@ -275,7 +278,7 @@ class TrainWorker:
         handed = {"local_rank": int(os.environ["LOCAL_RANK"]), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "cuda_device": self.assigned.cuda_device, "engine_device": str(self.engine.device)}
         return {"process_group_s": t_pg - t0, "engine_s": t1 - t_pg, "join_s": t1 - t0, "build_rss": build_rss,
-                "engine_outlived_leave": self._engine_outlived_leave, **handed}
+                "engine_outlived_leave": outlived, **handed}
 
     @ray.method(concurrency_group="control")
     def abort_world(self, rendezvous_port: int | None = None) -> int:

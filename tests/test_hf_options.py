@@ -157,3 +157,54 @@ def test_export_builds_the_architecture_whatever_the_training_options(folder):
     assert not model.is_activation_checkpointing
     model = build_fp32(HF_FACTORY, {"pretrained": str(folder), "config_overrides": {"num_hidden_layers": 1}})
     assert len(model.model.layers) == 1
+
+
+def _counting_initialisers(monkeypatch) -> list[str]:
+    """Every initialiser torch's modules and transformers' `_init_weights` call, counted where it
+    writes a parameter (and still run): the list of their names."""
+    import torch.nn.init
+    import transformers.initialization as hf_init
+
+    calls = []
+    for module in (torch.nn.init, hf_init):
+        for name in hf_init.TORCH_INIT_FUNCTIONS:
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+
+            def counted(tensor, *args, _fn=fn, _name=name, **kwargs):
+                if isinstance(tensor, torch.nn.Parameter):
+                    calls.append(_name)
+                return _fn(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_build_for_a_checkpoint_initialises_nothing_keeps_ties_and_trains_as_the_model(monkeypatch, tied):
+    # At stages 0-2 every rank holds the whole model, and `without_weights` (a resize's build)
+    # ran transformers' initialisation over all of it (twice: each layer's own, then the
+    # model's): about 3 s a rank at 160M parameters here, for weights the load replaces.
+    cfg = {**LLAMA, "tie_word_embeddings": tied}
+    reference = hf.build(seed=0, config=cfg)
+    calls = _counting_initialisers(monkeypatch)
+    hf.build(seed=0, config=cfg)
+    assert len(calls) > 2 * LLAMA["num_hidden_layers"], calls  # the counters see a usual build's initialisers
+    calls.clear()
+    model = hf.without_weights(seed=0, config=cfg)
+    assert calls == []
+    # What the checkpoint does not hold is as a usual build makes it: the ties, the rotary buffers.
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    ours, theirs = dict(model.named_buffers()), dict(reference.named_buffers())
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    model.load_state_dict(reference.state_dict(), strict=True)
+    ids = torch.arange(16).view(1, 16) % LLAMA["vocab_size"]
+    for m in (reference, model):  # a step of training: tied weights get both uses' gradients
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    after, expected = model.state_dict(), reference.state_dict()
+    assert all(torch.equal(after[k], expected[k]) for k in expected)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)

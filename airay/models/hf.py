@@ -173,20 +173,37 @@ def build(seed: int = 0, **kwargs):
 def without_weights(seed: int = 0, **kwargs):
     """`build`'s model (its options too: a resized world keeps gradient checkpointing) for a
     checkpoint to fill (a resize, a resumed run): the pretrained folder's weights are not read
-    and nothing is initialised. Under ZeRO-3 (transformers' DeepSpeed integration registered,
-    airay.worker.build) the partitions are allocated, not filled: transformers 5's from_config
-    initialises a ZeRO-3 model afterwards by gathering each module's parameters
-    (`initialize_weights_zero3`), which is skipped here."""
+    and nothing is initialised. At every stage the model is constructed under transformers'
+    `no_init_weights` (torch's initialisers and the model's `init_weights` are no-ops: at stages
+    0-2 they filled every parameter twice, about 3 s a rank at 160M parameters here and minutes
+    at 7B, at every resize) and its weights are tied after, which `init_weights` also did. Under
+    ZeRO-3 (transformers' DeepSpeed integration registered, airay.worker.build) the partitions
+    are allocated, not filled: transformers 5's from_config initialises a ZeRO-3 model afterwards
+    by gathering each module's parameters (`initialize_weights_zero3`), which is skipped here."""
     import transformers.integrations.deepspeed as hf_deepspeed
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     opts = options(kwargs)
     initialise = hf_deepspeed.initialize_weights_zero3
     hf_deepspeed.initialize_weights_zero3 = lambda model: None  # imported from here at each call
     try:
-        return _for_training(AutoModelForCausalLM.from_config(_config(opts), **_load_kwargs(opts)), opts)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(_config(opts), **_load_kwargs(opts))
     finally:
         hf_deepspeed.initialize_weights_zero3 = initialise
+    model.tie_weights(recompute_mapping=False)  # init_weights' other half (ZeRO-3's from_config tied already)
+    _init_unsaved_buffers(model)
+    return _for_training(model, opts)
+
+
+def _init_unsaved_buffers(model) -> None:
+    """Give the modules that hold non-persistent buffers (rotary frequencies: in no checkpoint,
+    so no load fills them) transformers' initialisation; a model may compute them there rather
+    than in its constructor. Such modules are small (Llama's rotary embedding has no parameters)."""
+    for module in model.modules():
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
 
 
 # airay.worker.build: transformers builds these partitioned itself under ZeRO-3.

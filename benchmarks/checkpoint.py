@@ -88,6 +88,9 @@ class RssSampler(Sampler):
         self.driver_node_pids, self.worker_pids = driver_node_pids, worker_pids
         self.driver_node: dict[int, int] = {}
         self.workers: dict[int, list[tuple[float, int]]] = {}
+        # Each worker's peak of its own (anonymous) memory: RSS less its mapped files' resident
+        # pages (RssFile + RssShmem; a checkpoint a load maps is page cache, counted once a node).
+        self.workers_anon: dict[int, int] = {}
 
     def sample(self):
         import psutil
@@ -100,7 +103,9 @@ class RssSampler(Sampler):
                 pass
         for pid in self.worker_pids():
             try:
-                self.workers.setdefault(pid, []).append((now, psutil.Process(pid).memory_info().rss))
+                mem = psutil.Process(pid).memory_info()
+                self.workers.setdefault(pid, []).append((now, mem.rss))
+                self.workers_anon[pid] = max(self.workers_anon.get(pid, 0), mem.rss - mem.shared)
             except psutil.Error:
                 pass
 

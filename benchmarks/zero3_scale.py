@@ -14,7 +14,9 @@ the fault is the reference. Reported:
                      gradient partition, buffers): world_formed's build_rss, over the model's fp32
                      bytes, worst rank of every world formed (the first at 4, then the survivors'
                      and the replacement's)
-  worker peak RSS    each training worker's peak RSS over the run, sampled every 0.2 s
+  worker peak RSS    each training worker's peak RSS over the run, sampled every 0.2 s, and the
+                     peak of its anonymous part (RSS less mapped files' pages: a checkpoint file a
+                     load maps is page cache, held once a node whichever ranks map it)
   loss difference    the worst relative difference between the faulty run's committed loss and
                      the fault-free run's, at every step (target < 1e-5)
   recovery_s         detection of the kill to the first step at the new size
@@ -32,6 +34,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +86,7 @@ def run(d_model: int, steps: int, kill: bool, work: Path) -> dict:
     shrink = [e for e in events if e["type"] == "resize_finished" and e["reason"] == "failure"]
     return {"losses": committed_losses(run_dir), "worlds": worlds, "world_sizes": result.world_sizes,
             "worker_peak_rss": {str(pid): max(r for _, r in s) for pid, s in rss.workers.items()},
+            "worker_peak_anon": {str(pid): peak for pid, peak in rss.workers_anon.items()},
             "recovery_s": shrink[0]["recovery_s"] if shrink else None,
             "loaded": [{k: e[k] for k in ("step", "world_size", "saved_world_size", "resharded", "load_s")}
                        for e in events if e["type"] == "checkpoint_loaded"]}
@@ -114,20 +118,25 @@ def main() -> int:
         r = out[side]
         print(f"{side}: worlds {r['world_sizes']}; build RSS / model bytes, worst rank: model "
               f"{worst(r, 'model') / model_bytes:.2f}, engine {worst(r, 'engine') / model_bytes:.2f}; worker peak RSS, worst: "
-              f"{max(r['worker_peak_rss'].values()) / 2**30:.2f} GiB; recovery_s {r['recovery_s']}", flush=True)
+              f"{max(r['worker_peak_rss'].values()) / 2**30:.2f} GiB (of it anonymous, worst: "
+              f"{max(r['worker_peak_anon'].values()) / 2**30:.2f} GiB); recovery_s {r['recovery_s']}", flush=True)
     plain, faulty = out["fault_free"]["losses"], out["kill"]["losses"]
     diffs = {s: abs(faulty[s] - plain[s]) / abs(plain[s]) for s in plain}
     out["worst_loss_rel_diff"] = max(diffs.values())
     for part in ("model", "engine"):
         out[f"worst_{part}_build_rss_vs_model"] = max(worst(out[s], part) for s in ("fault_free", "kill")) / model_bytes
     out["worst_worker_peak_rss"] = max(max(out[s]["worker_peak_rss"].values()) for s in ("fault_free", "kill"))
+    out["worst_worker_peak_anon"] = max(max(out[s]["worker_peak_anon"].values()) for s in ("fault_free", "kill"))
     print(f"{params / 1e6:.0f}M parameters ({model_bytes / 2**30:.2f} GiB fp32), ZeRO-3 on {WORKERS} ranks: "
           f"steps {sorted(plain) == sorted(faulty) and len(plain)} equal in count; worst relative loss difference "
           f"{out['worst_loss_rel_diff']:.2e} (target < 1e-5); peak RSS while building / model bytes, worst rank: "
           f"the model {out['worst_model_build_rss_vs_model']:.2f} (target <= 0.5), the engine "
           f"{out['worst_engine_build_rss_vs_model']:.2f}; "
-          f"worker peak RSS {out['worst_worker_peak_rss'] / 2**30:.2f} GiB")
+          f"worker peak RSS {out['worst_worker_peak_rss'] / 2**30:.2f} GiB, anonymous "
+          f"{out['worst_worker_peak_anon'] / 2**30:.2f} GiB")
     if args.json:
+        out = {"command": "python benchmarks/zero3_scale.py " + " ".join(sys.argv[1:]),
+               "date": time.strftime("%Y-%m-%d"), **out}
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 

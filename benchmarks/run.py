@@ -243,7 +243,7 @@ def driver_scale_verdict(rows: list[dict]) -> str:
     """The targets: per round < 10 ms + 0.01 ms per rank (median) at each size, per recovery < 100 ms at the largest."""
     missed = [f"{r['workers']:,} ranks" for r in rows if r["round_ms"] >= r["round_target_ms"]]
     top = rows[-1]
-    return (f"Per round (median), target < 10 ms + 0.01 ms per rank: "
+    return ("Per round (median), target < 10 ms + 0.01 ms per rank: "
             + ("met at every size" if not missed else f"**not met** at {_and(missed)}")
             + f" ({top['round_ms']:.1f} ms at {top['workers']:,} ranks against {top['round_target_ms']:.2f}); per "
             f"recovery at {top['workers']:,} ranks **{top['recovery_ms']:.1f} ms** (target < 100 ms: "

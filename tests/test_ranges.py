@@ -238,8 +238,8 @@ def _new_rank(rank, world, stage, port, out, zero, results):
     skeletons = {n: load_skeleton(c, fetch[n])[0] for n, c in copies.items()}
     sparse = LoadPlan(manifest, rank, world, {n: c.path for n, c in copies.items()}, layout)
     wanted = sparse.needed_ranges(skeletons.__getitem__)
-    for n, ranges in wanted.items():
-        copies[n].ensure(chunks_of(ranges, copies[n].size, CHUNK), fetch[n])
+    for n, spans in wanted.items():
+        copies[n].ensure(chunks_of(spans, copies[n].size, CHUNK), fetch[n])
     whole = LoadPlan(manifest, rank, world, {n: str(old / n) for n in need}, layout)
     name = [n for n in need if f"pp_rank_{rank}_" in n] or need
     own = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"

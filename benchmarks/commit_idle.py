@@ -19,7 +19,6 @@ Usage: python benchmarks/commit_idle.py [--sizes 256,512,1024] [--stages 2,3] [-
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -103,6 +102,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.stored import write_result
+
     rows = []
     for stage in map(int, args.stages.split(",")):
         for d_model in map(int, args.sizes.split(",")):
@@ -114,9 +116,7 @@ def main() -> int:
                   f"GB/s); airay / DeepSpeed {row['airay_vs_deepspeed']:.2f}  [{WORLD} gloo ranks, cores idle, "
                   f"medians of {args.turns}, slowest rank]", flush=True)
     if args.json:
-        command = "python benchmarks/commit_idle.py " + " ".join(sys.argv[1:])
-        Path(args.json).write_text(json.dumps({"command": command, "date": time.strftime("%Y-%m-%d"),
-                                               "world": WORLD, "rows": rows}, indent=2))
+        write_result(args.json, "commit_idle.py", world=WORLD, rows=rows)
     return 0
 
 

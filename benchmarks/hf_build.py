@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -55,6 +54,7 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from benchmarks.stored import write_result
     import torch
 
     from airay.models import hf
@@ -78,9 +78,7 @@ def main() -> int:
               f"without_weights {med['without_weights']:.3f} s (ratio {rows[dtype]['ratio']:.4f}; medians of "
               f"{args.turns}, one torch thread)")
     if args.json:
-        command = "python benchmarks/hf_build.py " + " ".join(sys.argv[1:])
-        Path(args.json).write_text(json.dumps({"command": command, "date": time.strftime("%Y-%m-%d"),
-                                               "config": config, "rows": rows}, indent=2))
+        write_result(args.json, "hf_build.py", config=config, rows=rows)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import shutil
 import statistics
 import sys
@@ -124,6 +123,7 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    from benchmarks.stored import write_result
     from airay.worker import free_port
     from tests import worlds
 
@@ -152,9 +152,8 @@ def main() -> int:
           f"{ratio['engine_s']:.2f}), save {ratio['save_s']:.2f}  [{args.world} gloo ranks, d_model {args.d_model}, "
           f"medians of {args.turns - 1} turns, slowest rank]")
     if args.json:
-        command = "python benchmarks/zero3_resize.py " + " ".join(sys.argv[1:])
-        Path(args.json).write_text(json.dumps({"command": command, "date": time.strftime("%Y-%m-%d"), "world": args.world, "d_model": args.d_model, "turns": args.turns,
-                                               "summary": summary, "ratio": ratio}, indent=2))
+        write_result(args.json, "zero3_resize.py", world=args.world, d_model=args.d_model, turns=args.turns,
+                     summary=summary, ratio=ratio)
     return 0
 
 

@@ -30,17 +30,16 @@ Every step is CPU work (no sleep). Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.checkpoint import RssSampler, worker_pids  # noqa: E402
+from benchmarks.stored import write_result  # noqa: E402
 
 WORKERS, LAYERS, SEQ = 4, 8, 8
 
@@ -135,9 +134,7 @@ def main() -> int:
           f"worker peak RSS {out['worst_worker_peak_rss'] / 2**30:.2f} GiB, anonymous "
           f"{out['worst_worker_peak_anon'] / 2**30:.2f} GiB")
     if args.json:
-        out = {"command": "python benchmarks/zero3_scale.py " + " ".join(sys.argv[1:]),
-               "date": time.strftime("%Y-%m-%d"), **out}
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        write_result(args.json, "zero3_scale.py", **out)
     return 0
 
 

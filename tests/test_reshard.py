@@ -160,6 +160,17 @@ def _load_world(rank, world, stage, port, out, extra, results):
     lp = LoadPlan(manifest, rank, world, paths, layout, trained)
     staging = install(engine, Writer())
     staging.plan = lp
+    before = _buffers(engine)  # the engine's masters and moments, built with it
+    handed = {}
+    served = lp.load
+
+    def load(name):  # what DeepSpeed's loader is handed for this rank's optimizer file
+        sd = served(name)
+        if "optim_states" in name:
+            handed.update(_buffers(engine, sd))
+        return sd
+
+    lp.load = load
     load_path, _ = load_engine(engine, lp, Path(out) / f"load-{rank}", "ck")
     staging.plan = None
     assert load_path is not None
@@ -178,7 +189,32 @@ def _load_world(rank, world, stage, port, out, extra, results):
                      "garbled": sorted(trained),
                      "differ": differ, "masters_differ": masters_differ, "ours_loss": ours_loss, "theirs_loss": theirs_loss,
                      "scaler": ours_scaler, "optimizer": type(engine.optimizer.optimizer).__name__,
-                     "wrapper": type(engine.optimizer).__name__}
+                     "wrapper": type(engine.optimizer).__name__,
+                     # Of the optimizer file's tensors (fp32 masters, moments), those the reshard
+                     # gathered into the engine's own buffers, and those the engine had and it did not.
+                     "into_engine": sorted(k for k in handed if handed[k] == before.get(k)),
+                     "apart": sorted(k for k in handed if k in before and handed[k] != before[k])}
+
+
+def _buffers(engine, sd: dict | None = None) -> dict:
+    """The storage address of each fp32 master partition and inner-optimizer state tensor, by
+    group: the engine's own (`sd` None) or those of the optimizer file `sd` a load is handed."""
+    from airay.checkpoint import reshard
+
+    opt = engine.optimizer
+    if sd is None:
+        bufs = reshard.engine_buffers(engine) or {"fp32": [], "state": []}
+        masters, states = bufs["fp32"], bufs["state"]
+    else:
+        osd = sd[reshard.OPTIMIZER_STATE_DICT]
+        masters = osd.get(reshard.FP32_FLAT_GROUPS) or osd.get(reshard.SINGLE_PARTITION_OF_FP32_GROUPS) or []
+        inner = osd.get(reshard.OPTIMIZER_STATE_DICT) or osd.get(reshard.BASE_OPTIMIZER_STATE) or {}
+        states = [inner.get("state", {}).get(g, {}) for g in range(len(masters))]
+    del opt
+    out = {f"fp32[{g}]": t.untyped_storage().data_ptr() for g, t in enumerate(masters)}
+    for g, state in enumerate(states):
+        out.update({f"{k}[{g}]": v.untyped_storage().data_ptr() for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1})
+    return out
 
 
 def _garbled(path: Path, trained: frozenset, to: Path) -> str:
@@ -274,6 +310,14 @@ def test_reshard_at_load_equals_deepspeeds_universal_checkpoint(tmp_path, stage,
         # ZeRO-1/2: every trained weight of the model file was garbage, never read (the weights
         # came from the masters); the model's own partition above still equals DeepSpeed's.
         assert (len(r["garbled"]) > 0) == (stage in (1, 2)), r["garbled"]
+        # The new partition's masters went straight into the engine's (and any optimizer state
+        # the engine already held into its own; Adam makes its moments at the first step): not
+        # held twice while the load ran. Not under BF16_Optimizer, whose loader pads them itself.
+        if "data_types" in extra:
+            assert r["into_engine"] == [], (rank, r["into_engine"])
+        else:
+            assert r["apart"] == [] and any(k.startswith("fp32[") for k in r["into_engine"]), \
+                (rank, r["into_engine"], r["apart"])
         # Each new rank read at most the old partitions that overlap its own (plus the model file).
         optim = [n for n in r["need"] if "optim_states" in n]
         assert 1 <= len(optim) <= -(-old // new) + 1, (rank, optim)

@@ -146,6 +146,7 @@ class LoadPlan:
         self.manifest, self.rank, self.world, self.paths, self.layout = manifest, rank, world_size, paths, layout
         self.trained = trained  # module keys whose weights the load rebuilds from the fp32 masters (trained_keys)
         self.reshard_s = 0.0
+        self.into: dict | None = None  # the engine's buffers a reshard gathers into (load_engine sets them)
 
     def stage_dir(self, root: str | os.PathLike, tag: str) -> str:
         """A load directory for DeepSpeed: it globs `root/tag` for the model-states file (and reads
@@ -188,16 +189,17 @@ class LoadPlan:
         if refused:
             raise CheckpointIncompatible(f"step {m.step} saved at world size {m.world_size}: {refused}")
         t0 = time.perf_counter()
-        out = self._reshard({r: self._open(reshard.optim_file(r, bf16, m.mp_rank)) for r in self._ranks()})
+        out = self._reshard({r: self._open(reshard.optim_file(r, bf16, m.mp_rank)) for r in self._ranks()},
+                            into=self.into)
         self.reshard_s += time.perf_counter() - t0
         return out
 
-    def _reshard(self, old: dict[int, dict], touch=None) -> dict:
+    def _reshard(self, old: dict[int, dict], touch=None, into: dict | None = None) -> dict:
         m = self.manifest
         if m.zero_stage == 3:
-            return reshard.reshard_zero3(old, m.world_size, self.rank, self.world, m.layout, self.layout, touch)
+            return reshard.reshard_zero3(old, m.world_size, self.rank, self.world, m.layout, self.layout, touch, into)
         return reshard.reshard_zero12(old, m.world_size, self.rank, self.world, m.layout["partitions"],
-                                      self.layout["partitions"], self.layout["totals"], touch)
+                                      self.layout["partitions"], self.layout["totals"], touch, into)
 
     def needed_ranges(self, meta_of) -> dict[str, list[tuple[int, int]]]:
         """The byte ranges of each old optimizer file this rank's reshard reads, found by running
@@ -246,8 +248,12 @@ def load_engine(engine, plan: LoadPlan, root: str | os.PathLike, tag: str):
     masters, all-gathered from every rank's partition (what DeepSpeed does after loading a
     universal checkpoint), not from the model-states file. Returns load_checkpoint's answer."""
     loader = _without(plan.trained) if plan.trained else None
-    load_path, client = engine.load_checkpoint(plan.stage_dir(root, tag), tag=tag, load_optimizer_states=True,
-                                               load_lr_scheduler_states=True, custom_load_fn=loader)
+    plan.into = reshard.engine_buffers(engine) if plan.resharded else None
+    try:
+        load_path, client = engine.load_checkpoint(plan.stage_dir(root, tag), tag=tag, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True, custom_load_fn=loader)
+    finally:
+        plan.into = None
     if loader is not None and load_path is not None:
         engine.optimizer.update_lp_params()
     return load_path, client

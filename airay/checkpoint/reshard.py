@@ -129,9 +129,11 @@ def gather(pieces: Callable[[int], object], part: int, old_world: int, lo: int, 
 
 
 def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
-                   partitions: list[int], new_partitions: list[int], totals: list[int], touch=None) -> dict:
+                   partitions: list[int], new_partitions: list[int], totals: list[int], touch=None,
+                   into: dict | None = None) -> dict:
     """New rank's ZeRO-1/2 optimizer file (the dict DeepSpeed's rigid loader reads) from the old
-    ranks' files `old` (at least those ranks_needed names). `touch`: as gather's."""
+    ranks' files `old` (at least those ranks_needed names). `touch`: as gather's. `into`: the
+    engine's own buffers to gather into (engine_buffers)."""
     first = old[min(old)]
     out = dict(first)
     osd = dict(first[OPTIMIZER_STATE_DICT])
@@ -148,13 +150,17 @@ def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_worl
         for key, value in base["state"].get(g, {}).items():
             if hasattr(value, "numel") and value.dim() == 1 and value.numel() == part:
                 new_state[g][key] = gather(lambda r: old[r][OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]["state"][g][key],
-                                           part, old_world, lo, lo + new_part, total, touch=touch)
+                                           part, old_world, lo, lo + new_part, total, touch=touch,
+                                           into=_buffer(into, "state", g, key, new_part, value.dtype))
             else:  # per-group scalars (the step count) are the same on every rank
                 new_state[g][key] = copy.deepcopy(value)
-        # Saved without padding: the last rank's partition ends at `total`.
+        # Saved without padding: the last rank's partition ends at `total` (gathered into the
+        # engine's partition, it keeps the partition's zero padding: the loader takes it as is).
         hi = min(lo + new_part, total)
+        master = _buffer(into, "fp32", g, None, new_part, first[OPTIMIZER_STATE_DICT][SINGLE_PARTITION_OF_FP32_GROUPS][g].dtype)
         fp32.append(gather(lambda r: old[r][OPTIMIZER_STATE_DICT][SINGLE_PARTITION_OF_FP32_GROUPS][g],
-                           part, old_world, lo, hi, total, touch=touch))
+                           part, old_world, lo, hi, total, size=None if master is None else new_part, touch=touch,
+                           into=master))
     osd[BASE_OPTIMIZER_STATE] = {"state": new_state, "param_groups": copy.deepcopy(base["param_groups"])}
     osd[SINGLE_PARTITION_OF_FP32_GROUPS] = fp32
     osd[GROUP_PADDINGS] = [new_part * new_world - total if new_rank == new_world - 1 else 0
@@ -166,7 +172,7 @@ def reshard_zero12(old: dict[int, dict], old_world: int, new_rank: int, new_worl
 
 
 def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world: int,
-                  old_layout: dict, new_layout: dict, touch=None) -> dict:
+                  old_layout: dict, new_layout: dict, touch=None, into: dict | None = None) -> dict:
     """New rank's ZeRO-3 optimizer file from the old ranks' files `old` (at least ranks_needed's).
 
     DeepSpeed cuts each parameter group's parameters into sub-groups of about `sub_group_size`
@@ -176,7 +182,8 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     groups in order, each group's parameters in order: the concatenation of the sub-groups at
     any world size) and resliced into the new sub-group that holds it. The inner optimizer's
     state is keyed by sub-group (its parameters are the fp32 flat sub-groups), so its
-    param_groups are rebuilt with the new sub-groups' indices."""
+    param_groups are rebuilt with the new sub-groups' indices. `into`: the engine's own buffers
+    to gather into (engine_buffers)."""
     import torch
 
     first = old[min(old)]
@@ -185,11 +192,15 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     torch_sd = osd[OPTIMIZER_STATE_DICT]
     where = _zero3_param_places(old_layout["param_numels"], old_world)  # global param -> (old sub-group, offset)
 
-    def reslice(params: range, numels: list[int], flat_of: Callable[[int, int], object]):
-        """The new sub-group's flat vector, each parameter's partition gathered into its place."""
+    def reslice(params: range, numels: list[int], flat_of: Callable[[int, int], object], target=None):
+        """The new sub-group's flat vector (`target` when given), each parameter's partition
+        gathered into its place."""
         sizes = [math.ceil(n / new_world) for n in numels]
         like = flat_of(min(old), where[params.start][0]) if numels else None
-        flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device) if numels else torch.zeros(0)
+        if target is not None:
+            flat = target
+        else:
+            flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device) if numels else torch.zeros(0)
         pos = 0
         for k, n, c_new in zip(params, numels, sizes):
             g_old, at = where[k]
@@ -206,14 +217,17 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     for g, numels in enumerate(new_layout["param_numels"]):
         params = range(start, start + len(numels))
         start += len(numels)
-        flats.append(reslice(params, numels, lambda r, go: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][go]))
+        flat_of = lambda r, go: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][go]  # noqa: E731
+        size, dtype = sum(math.ceil(n / new_world) for n in numels), _dtype_of(flat_of, old, where, params, numels)
+        flats.append(reslice(params, numels, flat_of, _buffer(into, "fp32", g, None, size, dtype)))
         g_first = where[params.start][0] if numels else 0
         if g_first not in torch_sd["state"]:  # no state before the optimizer's first step
             continue
         new_state[g] = {}
         for key, value in torch_sd["state"][g_first].items():
             if hasattr(value, "numel") and value.dim() == 1 and value.numel() > 1:
-                new_state[g][key] = reslice(params, numels, lambda r, go: old_state(r, go)[key])
+                new_state[g][key] = reslice(params, numels, lambda r, go: old_state(r, go)[key],
+                                            _buffer(into, "state", g, key, size, value.dtype))
             else:  # per-sub-group scalars (the step count) are the same for every sub-group
                 new_state[g][key] = copy.deepcopy(value)
     groups_of = new_layout.get("param_groups") or [0] * len(new_layout["param_numels"])
@@ -225,6 +239,44 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     osd[PARTITION_COUNT] = new_world
     out[OPTIMIZER_STATE_DICT] = osd
     return out
+
+
+def _dtype_of(flat_of, old: dict, where: list, params: range, numels: list[int]):
+    """The dtype of the old flat vectors a new ZeRO-3 sub-group is gathered from (None: it is empty)."""
+    return flat_of(min(old), where[params.start][0]).dtype if numels else None
+
+
+def engine_buffers(engine) -> dict | None:
+    """The engine's own optimizer buffers, for a resharded load to gather into: its fp32 master
+    partitions, by group (ZeRO-1/2) or sub-group (ZeRO-3), and whatever per-partition state its
+    inner optimizer already holds (none for Adam before its first step: deepspeed 0.19 makes only
+    Adagrad's with the engine). DeepSpeed's loader then copies each master onto itself (torch
+    returns at once), so a rank never holds its new masters twice, gathered and in the engine
+    (at 70B on 64 ranks, 4.4 GB a rank, 8 ranks a node). None where the loader pads, casts or
+    swaps them itself (BF16_Optimizer, optimizer state swapped to NVMe)."""
+    opt, stage = engine.optimizer, engine.zero_optimization_stage()
+    if stage == 1 and hasattr(opt, "fp32_groups_flat_partition"):
+        return None
+    if stage in (1, 2):
+        masters = list(opt.single_partition_of_fp32_groups)
+    elif stage == 3 and not getattr(opt, "swap_optimizer", False):
+        masters = list(opt.fp32_partitioned_groups_flat)
+    else:
+        return None
+    inner = getattr(opt, "optimizer", None)
+    state = getattr(inner, "state", {}) if inner is not None else {}
+    return {"fp32": masters, "state": [dict(state.get(p, {})) for p in masters]}
+
+
+def _buffer(into: dict | None, kind: str, group: int, key: str | None, numel: int, dtype):
+    """The engine's buffer for `kind` ("fp32", or "state" and its `key`) of `group`, when there is
+    one of `numel` elements of `dtype` (otherwise None: the gather allocates)."""
+    if into is None or group >= len(into[kind]):
+        return None
+    t = into[kind][group] if key is None else into[kind][group].get(key)
+    if t is None or not hasattr(t, "numel") or t.dim() != 1 or t.numel() != numel or t.dtype != dtype:
+        return None
+    return t.detach()  # the masters are the inner optimizer's parameters: leaves that require grad
 
 
 def _zero3_param_places(param_numels: list[list[int]], world: int) -> list[tuple[int, int]]:

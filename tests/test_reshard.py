@@ -201,7 +201,6 @@ def _buffers(engine, sd: dict | None = None) -> dict:
     group: the engine's own (`sd` None) or those of the optimizer file `sd` a load is handed."""
     from airay.checkpoint import reshard
 
-    opt = engine.optimizer
     if sd is None:
         bufs = reshard.engine_buffers(engine) or {"fp32": [], "state": []}
         masters, states = bufs["fp32"], bufs["state"]
@@ -210,7 +209,6 @@ def _buffers(engine, sd: dict | None = None) -> dict:
         masters = osd.get(reshard.FP32_FLAT_GROUPS) or osd.get(reshard.SINGLE_PARTITION_OF_FP32_GROUPS) or []
         inner = osd.get(reshard.OPTIMIZER_STATE_DICT) or osd.get(reshard.BASE_OPTIMIZER_STATE) or {}
         states = [inner.get("state", {}).get(g, {}) for g in range(len(masters))]
-    del opt
     out = {f"fp32[{g}]": t.untyped_storage().data_ptr() for g, t in enumerate(masters)}
     for g, state in enumerate(states):
         out.update({f"{k}[{g}]": v.untyped_storage().data_ptr() for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1})

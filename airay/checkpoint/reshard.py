@@ -192,15 +192,17 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     torch_sd = osd[OPTIMIZER_STATE_DICT]
     where = _zero3_param_places(old_layout["param_numels"], old_world)  # global param -> (old sub-group, offset)
 
-    def reslice(params: range, numels: list[int], flat_of: Callable[[int, int], object], target=None):
-        """The new sub-group's flat vector (`target` when given), each parameter's partition
-        gathered into its place."""
+    def reslice(g: int, params: range, numels: list[int], flat_of: Callable[[int, int], object],
+                key: str | None = None):
+        """New sub-group g's flat vector (its fp32 masters, or optimizer state `key`): the engine's
+        own when `into` has it, each parameter's partition gathered into its place."""
         sizes = [math.ceil(n / new_world) for n in numels]
-        like = flat_of(min(old), where[params.start][0]) if numels else None
-        if target is not None:
-            flat = target
-        else:
-            flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device) if numels else torch.zeros(0)
+        if not numels:
+            return torch.zeros(0)
+        like = flat_of(min(old), where[params.start][0])
+        flat = _buffer(into, "fp32" if key is None else "state", g, key, sum(sizes), like.dtype)
+        if flat is None:
+            flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
         pos = 0
         for k, n, c_new in zip(params, numels, sizes):
             g_old, at = where[k]
@@ -217,17 +219,14 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     for g, numels in enumerate(new_layout["param_numels"]):
         params = range(start, start + len(numels))
         start += len(numels)
-        flat_of = lambda r, go: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][go]  # noqa: E731
-        size, dtype = sum(math.ceil(n / new_world) for n in numels), _dtype_of(flat_of, old, where, params, numels)
-        flats.append(reslice(params, numels, flat_of, _buffer(into, "fp32", g, None, size, dtype)))
+        flats.append(reslice(g, params, numels, lambda r, go: old[r][OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS][go]))
         g_first = where[params.start][0] if numels else 0
         if g_first not in torch_sd["state"]:  # no state before the optimizer's first step
             continue
         new_state[g] = {}
         for key, value in torch_sd["state"][g_first].items():
             if hasattr(value, "numel") and value.dim() == 1 and value.numel() > 1:
-                new_state[g][key] = reslice(params, numels, lambda r, go: old_state(r, go)[key],
-                                            _buffer(into, "state", g, key, size, value.dtype))
+                new_state[g][key] = reslice(g, params, numels, lambda r, go: old_state(r, go)[key], key)
             else:  # per-sub-group scalars (the step count) are the same for every sub-group
                 new_state[g][key] = copy.deepcopy(value)
     groups_of = new_layout.get("param_groups") or [0] * len(new_layout["param_numels"])
@@ -239,11 +238,6 @@ def reshard_zero3(old: dict[int, dict], old_world: int, new_rank: int, new_world
     osd[PARTITION_COUNT] = new_world
     out[OPTIMIZER_STATE_DICT] = osd
     return out
-
-
-def _dtype_of(flat_of, old: dict, where: list, params: range, numels: list[int]):
-    """The dtype of the old flat vectors a new ZeRO-3 sub-group is gathered from (None: it is empty)."""
-    return flat_of(min(old), where[params.start][0]).dtype if numels else None
 
 
 def engine_buffers(engine) -> dict | None:

@@ -13,6 +13,22 @@ from airay.events import read_jsonl
 from airay.local_cluster import LocalCluster
 
 
+# Modules whose tests run Ray Data in this process (a run with streamed data, the feeder itself).
+# Ray Data's streaming tasks leave one of Ray's C++ I/O threads ("worker.io") in their driver's
+# process after ray.shutdown, for good (ray 2.60: one task of num_returns="streaming" is enough:
+# /proc/self/task/*/comm lists it, before ray.shutdown and after). A call into Ray from any thread
+# while no core worker is up makes Ray end the process at once (exit 1, no report), and each test
+# connects and shuts down again: CI's full run of 2026-12-07 ended so, right after
+# test_elastic.py's node tests, on a thread created while test_data_scale.py ran ten minutes
+# before. These modules run last: no other test runs in a process that holds such a thread.
+RAY_DATA_IN_PROCESS = ("test_data_scale.py", "test_data_stream.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    last = [item for item in items if item.path.name in RAY_DATA_IN_PROCESS]
+    items[:] = [item for item in items if item.path.name not in RAY_DATA_IN_PROCESS] + last
+
+
 @pytest.fixture(scope="session", autouse=True)
 def memory_tiers_the_suite_leaves():
     """A run that fails or loses nodes keeps its newest memory-tier steps for a re-run (by design),
@@ -138,14 +154,35 @@ def local_cluster():
         lc.shutdown()
 
 
-def assert_released():
-    import time
+def running_data_executions() -> list[str]:
+    """Ray Data executions of this process started and not shut down: one a run leaves runs on
+    until the garbage collector shuts it down, whose calls into Ray come whenever it runs (after
+    ray.shutdown, Ray's core worker ends the process on such a call)."""
+    import gc
+    import sys
 
+    if "ray.data" not in sys.modules:  # nothing to scan for (a scan of the heap takes ~0.2 s)
+        return []
+    from ray.data._internal.execution.streaming_executor import StreamingExecutor
+
+    return [o._dataset_id for o in gc.get_objects()
+            if isinstance(o, StreamingExecutor) and o._execution_started and not o._shutdown]
+
+
+def live_airay_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("airay-")]
+
+
+def assert_released():
+    """Nothing of a finished run is left: no actor, no placement group, no thread of airay's and
+    no Ray Data execution running in the driver's process."""
     deadline = time.time() + 10  # actor and PG removal is asynchronous in Ray
     while time.time() < deadline and (live_airay_actors() or live_placement_groups()):
         time.sleep(0.2)
     assert live_airay_actors() == []
     assert live_placement_groups() == []
+    assert live_airay_threads() == []
+    assert running_data_executions() == []
 
 
 def signal_rank_after(run_dir: Path, step: int, rank: int, sig: int) -> threading.Thread:

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +144,44 @@ def test_blocks_stay_fetchable_after_ray_data_releases_its_readers(tmp_path, sma
         assert sorted(ids.tolist()) == sorted(stream.layout.step_rows(step).tolist())
         start, stride = (ids * 7) % 256, 1 + ids % 7  # what write_token_parquet wrote for these rows
         assert np.array_equal(tokens, (start[:, None] + stride[:, None] * np.arange(seq_len + 1)) % 256)
+
+
+def slow_rows(batch, seconds):
+    """A preprocess made slow on purpose in the readers (an actor); in the driver, where
+    airay.data.prepare checks it on the first rows, it returns at once."""
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        time.sleep(seconds)
+    return batch
+
+
+def test_closing_the_feeder_ends_its_producer_and_shuts_its_pipeline_down(tmp_path, small_store_cluster):
+    """A run can end while the feeder's producer waits on Ray Data for a block (here its readers
+    are slow on purpose: ten minutes a window). Closing the feeder shuts that execution down and
+    ends the producer before it returns: nothing of the run is left to call into Ray after it.
+    (Before, the producer ran on; when ray.shutdown took the readers, Ray Data's shutdown of the
+    execution called ray.wait from it and Ray's auto-init connected the process again.)"""
+    from airay.data.pipeline import Feeder
+    from airay.data.prepare import prepare
+    from tests.conftest import live_airay_threads, running_data_executions
+    from tests.test_data_stream import write_token_parquet
+
+    write_token_parquet(tmp_path / "data", 64, files=1, seq_len=8)
+    cfg = JobConfig.from_dict({
+        "model": {"factory": "airay.models.tiny_gpt:build", "kwargs": {"seq_len": 8}},
+        "loss_fn": "airay.models.tiny_gpt:loss", "global_batch_size": 8, "micro_batch_size": 8,
+        "data": {"source": "parquet", "paths": [str(tmp_path / "data")], "columns": ["tokens"], "epochs": 1,
+                 "window_steps": 2, "chunk_rows": 16, "readers": 1,
+                 "preprocess": "tests.test_data_scale:slow_rows", "preprocess_kwargs": {"seconds": 600}}})
+    cfg, stream = prepare(cfg)
+    feeder = Feeder(stream, cfg.max_steps, capacity=cfg.max_steps)
+    before = set(running_data_executions())
+    feeder.seek(0)  # the producer starts the pipeline and waits for its first block
+    producer = feeder._thread
+    deadline = time.monotonic() + 120
+    while not set(running_data_executions()) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(running_data_executions()) - before, "the pipeline never started"
+    assert producer.is_alive() and not feeder.ready(0, 1)  # waiting: the readers sleep
+    feeder.close()
+    assert not producer.is_alive()
+    assert set(running_data_executions()) <= before and live_airay_threads() == []

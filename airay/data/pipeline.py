@@ -17,6 +17,8 @@ nodes that train, not on the head: the head runs the driver and does no heavy wo
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 import warnings
@@ -29,6 +31,8 @@ from airay.data.parquet import DataError, ParquetDataset
 from airay.data.readers import WindowAssembler, WindowReader
 
 PIPELINE_RETRIES = 2  # consecutive pipeline failures (without a step produced) tolerated
+CLOSE_WAIT_S = 30.0   # how long `Feeder.close` waits for its producers to end
+log = logging.getLogger(__name__)
 # Pieces of one global step: (ObjectRef of a Ray Data block, first row, end row).
 Piece = tuple[Any, int, int]
 
@@ -56,6 +60,44 @@ def data_stalled(data_wait_s: float, step_time_s: float, share: float = 0.10) ->
     return step_time_s > 0 and data_wait_s > share * step_time_s
 
 
+class Executions:
+    """The Ray Data executions a feeder reads, each shut down by airay: when its reading ends, read
+    to the end or not, and at `close` any still running, so that the producer waiting on it wakes
+    up and ends. Ray Data shuts an execution not read to its end down only when the garbage
+    collector gets to it, and a producer left waiting on one ran on after the run: when the
+    execution ended (its readers go with ray.shutdown) its shutdown called ray.wait, and Ray's
+    auto-init connected the process to the cluster again after the user had shut Ray down
+    (tests/test_data_scale.py, the feeder's close)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: set = set()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def bundles(self, ds):
+        """An iterator over `ds`'s RefBundles, its execution shut down when the block ends."""
+        with self._lock:  # started under the lock: `close` never misses one starting
+            if self._closed:
+                raise RuntimeError("the data pipeline was closed")
+            executor = ds._create_executor()  # as Dataset._execute_to_iterator, without waiting
+            bundles = ds._build_bundle_iterator(executor)  # for the first block first
+            self._running.add(executor)
+        try:
+            yield bundles
+        finally:
+            with self._lock:
+                self._running.discard(executor)
+            executor.shutdown(force=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            running, self._running = list(self._running), set()
+        for executor in running:
+            executor.shutdown(force=True)
+
+
 class Feeder:
     """Streams the global steps of a run; `steps(start, end)` returns their pieces."""
 
@@ -72,6 +114,8 @@ class Feeder:
         self._generation = 0
         self._failures = 0
         self._thread: threading.Thread | None = None
+        self._producers: list[threading.Thread] = []  # every producer started, for `close`
+        self._executions = Executions()
 
     # ---- the controller's calls -------------------------------------------------------------
 
@@ -148,10 +192,19 @@ class Feeder:
                             "or use a new checkpoint.path")
 
     def close(self) -> None:
+        """Stop producing and release what the pipeline holds. When it returns no producer runs
+        and no Ray Data execution is left running: nothing of the run calls into Ray later."""
         with self._cv:
             self._generation += 1
             self._ready.clear()
             self._cv.notify_all()
+        self._executions.close()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for producer in self._producers:
+            producer.join(max(0.0, deadline - time.monotonic()))
+            if producer.is_alive():
+                log.warning("the data producer %s did not end within %ss of the feeder's close",
+                            producer.name, CLOSE_WAIT_S)
         if self._assembler is not None:
             import ray
 
@@ -166,6 +219,7 @@ class Feeder:
         self._low, self._produced, self._done, self._error = start, start - 1, False, None
         self._thread = threading.Thread(target=self._produce, args=(self._generation, start), daemon=True,
                                         name="airay-feeder")
+        self._producers = [t for t in self._producers if t.is_alive()] + [self._thread]
         self._thread.start()
 
     def _produce(self, generation: int, start: int) -> None:
@@ -202,14 +256,11 @@ class Feeder:
 
     def _parquet_pieces(self, start: int):
         """(block ref, lo, hi) of the windows from the one holding `start`, in order."""
-        it = self._pipeline(start).iter_internal_ref_bundles()
-        try:
-            for bundle in it:
+        with self._executions.bundles(self._pipeline(start)) as bundles:
+            for bundle in bundles:
                 for entry, sl in zip(bundle.blocks, bundle.slices):
                     yield (entry.ref, *((sl.start_offset, sl.end_offset) if sl is not None
                                         else (0, entry.metadata.num_rows)))
-        finally:
-            getattr(it, "close", lambda: None)()
 
     def _dataset_pieces(self, start: int):
         """The same for a user's ray.data.Dataset: read in order once per epoch (rows before
@@ -228,9 +279,8 @@ class Feeder:
             skip = window * layout.window_steps * b  # rows of this epoch before the first window
             pending: deque[list] = deque()
             have = pos = 0
-            it = ds.iter_internal_ref_bundles()
-            try:
-                for bundle in it:
+            with self._executions.bundles(ds) as bundles:
+                for bundle in bundles:
                     for entry, sl in zip(bundle.blocks, bundle.slices):
                         lo, hi = (sl.start_offset, sl.end_offset) if sl is not None else (0, entry.metadata.num_rows)
                         cut = min(hi - lo, max(0, skip - pos))
@@ -248,8 +298,6 @@ class Feeder:
                         window += 1
                     if window == layout.windows_per_epoch:
                         break
-            finally:
-                getattr(it, "close", lambda: None)()
             epoch, window = epoch + 1, 0
 
     def _put(self, generation: int, step: int, pieces: list[Piece]) -> bool:

@@ -169,13 +169,18 @@ def running_data_executions() -> list[str]:
             if isinstance(o, StreamingExecutor) and o._execution_started and not o._shutdown]
 
 
+# The threads a run's driver starts: the data producer and the MLflow client's queue. (A rank's
+# checkpoint writer, "airay-ckpt-writer", lives in its worker; unit tests run one in this process.)
+DRIVER_THREADS = ("airay-feeder", "airay-mlflow")
+
+
 def live_airay_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("airay-")]
+    return [t.name for t in threading.enumerate() if t.name.startswith(DRIVER_THREADS)]
 
 
 def assert_released():
-    """Nothing of a finished run is left: no actor, no placement group, no thread of airay's and
-    no Ray Data execution running in the driver's process."""
+    """Nothing of a finished run is left: no actor, no placement group, no thread of airay's
+    driver and no Ray Data execution running in the driver's process."""
     deadline = time.time() + 10  # actor and PG removal is asynchronous in Ray
     while time.time() < deadline and (live_airay_actors() or live_placement_groups()):
         time.sleep(0.2)

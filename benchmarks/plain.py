@@ -6,7 +6,8 @@ only in what airay adds around them (the engine build's own savings, such as ZeR
 hooks registered without gathering each parameter, are in build_engine: baselines have them too). DeepSpeed's CPU shared-memory op is disabled as airay does:
 otherwise a 30 s JIT build of an op neither side uses. DeepSpeed is imported as airay's workers
 import it (deepspeed_compat.import_deepspeed: without the MLflow import of its autotuner, nor
-torch.compile resolving its backend for the Muon kernels at import; 1.1-1.4 CPU-s a process here).
+torch.compile resolving its backend for the Muon kernels at import; 1.1-1.4 CPU-s a process here),
+and without importing torch._dynamo at the optimizer's first call (airay.worker.torch_compat).
 """
 
 from __future__ import annotations

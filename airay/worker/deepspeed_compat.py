@@ -21,8 +21,15 @@ def import_deepspeed():
     - every ZeRO optimizer imports DeepSpeed's Muon module to ask whether its optimizer is Muon,
       and that module's `@compiler.compile()` functions make torch.compile resolve its backend
       when they are defined (importing torch._inductor); see compile_at_first_call.
+    - torch.optim's and DeepSpeed's dynamo-disabling wrappers import torch._dynamo at their first
+      call (an optimizer's constructor, ZeRO-3's hooks): 2-3 CPU-s a process for a compiler
+      nothing here runs; see airay.worker.torch_compat.defer_dynamo.
     """
     import sys
+
+    from airay.worker.torch_compat import defer_dynamo
+
+    defer_dynamo()  # before DeepSpeed's import: the wrappers it makes then are deferred too
 
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         import deepspeed

@@ -197,7 +197,7 @@ def defer_dynamo() -> int:
             for attr_name, attr in list(vars(value).items()):
                 visit(attr)
                 if attr_name == "step" and getattr(attr, "__code__", None) is use_grad_code \
-                        and issubclass(value, torch.optim.Optimizer):
+                        and hasattr(attr, "__wrapped__") and issubclass(value, torch.optim.Optimizer):
                     setattr(value, "step", _plain_step(attr))
                     changed += 1
     if "_disable_dynamo" not in _originals:  # wrappers made from now on (DeepSpeed's, as it imports)

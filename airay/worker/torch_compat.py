@@ -154,15 +154,16 @@ SCANNED = ("torch.optim", "deepspeed")  # modules whose wrappers may exist befor
 def defer_dynamo() -> int:
     """Defer torch._dynamo's import in torch's and DeepSpeed's dynamo-disabling wrappers until
     something else imports it: call it before the process builds its first optimizer. Returns how
-    many wrappers and decorators it changed (0 where torch._dynamo is imported already)."""
+    many wrappers and decorators it changed (0 where torch._dynamo is imported already, or on a
+    second call)."""
     import torch
     import torch._compile
     import torch.compiler
     import torch.optim
     from torch.optim import optimizer as optimizer_module
 
-    if DYNAMO in sys.modules:
-        return 0
+    if DYNAMO in sys.modules or "_disable_dynamo" in _originals:  # nothing to defer, or done already:
+        return 0  # wrappers made since are deferred as they are made (a rank calls this at every join)
     disable_code = torch._compile._disable_dynamo(lambda: None).__code__
     use_grad_code = optimizer_module._use_grad_for_differentiable(lambda: None).__code__
     changed = 0
